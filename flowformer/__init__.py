@@ -1,0 +1,1 @@
+"""FlowFormer and FlowFormer++ (MCVA) on PyTorch Lightning + Hydra."""
