@@ -1,0 +1,31 @@
+"""The official optimiser and schedule: AdamW + linear OneCycle, stepped every iteration (SPEC §5.6, §6.2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def adamw_onecycle(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    total_steps: int,
+    pct_start: float = 0.05,
+    eps: float = 1e-8,
+) -> dict:
+    """Lightning `configure_optimizers` dict. The official loops use total_steps = num_steps + 100."""
+    optimizer = torch.optim.AdamW(
+        [p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay, eps=eps
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer,
+        max_lr=lr,
+        total_steps=total_steps,
+        pct_start=pct_start,
+        cycle_momentum=False,
+        anneal_strategy="linear",
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
