@@ -1,0 +1,210 @@
+"""Flow and image file I/O: Middlebury ``.flo``, ``.pfm``, KITTI 16-bit PNG flow and 8-bit images.
+
+Formats follow SPEC §8.2. Every reader returns numpy arrays in (H, W, C) layout; every failure (missing or
+unreadable file, wrong magic, truncated data, wrong size) raises :class:`FlowFileError`, which names the file
+and says what was wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+__all__ = [
+    "FLO_MAGIC",
+    "FlowFileError",
+    "read_flo",
+    "read_flow",
+    "read_image",
+    "read_kitti_flow",
+    "read_pfm",
+    "write_flo",
+    "write_kitti_flow",
+]
+
+FLO_MAGIC = 202021.25  # SPEC §8.2: float32 tag at the start of every Middlebury .flo file
+_KITTI_OFFSET = 2.0**15  # SPEC §8.2: u = (R - 2^15) / 64
+_KITTI_SCALE = 64.0
+
+PathLike = str | os.PathLike
+
+
+class FlowFileError(ValueError):
+    """A flow or image file is missing, unreadable or malformed; the message names the file."""
+
+    def __init__(self, path: PathLike, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+def _read_bytes(path: PathLike) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FlowFileError(path, "file not found; check the dataset root and the file name") from None
+    except OSError as err:
+        raise FlowFileError(path, f"cannot read the file ({err.strerror or err})") from None
+
+
+def _check_flow_array(path: PathLike, flow: np.ndarray) -> np.ndarray:
+    flow = np.asarray(flow)
+    if flow.ndim != 3 or flow.shape[2] != 2:
+        raise FlowFileError(path, f"expected a flow array of shape [H, W, 2], got {tuple(flow.shape)}")
+    return flow
+
+
+def read_flo(path: PathLike) -> np.ndarray:
+    """Read a Middlebury ``.flo`` file -> float32 [H, W, 2] (u, v).
+
+    Layout (SPEC §8.2, little-endian): float32 magic 202021.25, int32 width, int32 height, then H*W*2
+    float32 values, (u, v) interleaved, row-major.
+    """
+    data = _read_bytes(path)
+    if len(data) < 12:
+        raise FlowFileError(path, f"truncated .flo header: {len(data)} bytes, expected at least 12")
+    magic = np.frombuffer(data, dtype="<f4", count=1)[0]
+    if magic != np.float32(FLO_MAGIC):
+        raise FlowFileError(path, f"wrong .flo magic number {magic!r}, expected {FLO_MAGIC} (not a .flo file?)")
+    width, height = (int(v) for v in np.frombuffer(data, dtype="<i4", count=2, offset=4))
+    if width <= 0 or height <= 0 or width > 100_000 or height > 100_000:
+        raise FlowFileError(path, f"implausible .flo size width={width}, height={height}")
+    expected = 12 + 4 * 2 * width * height
+    if len(data) < expected:
+        raise FlowFileError(
+            path, f"truncated .flo data: {len(data)} bytes, expected {expected} for {width}x{height}"
+        )
+    if len(data) > expected:
+        raise FlowFileError(
+            path, f"wrong .flo size: {len(data)} bytes, expected {expected} for {width}x{height}"
+        )
+    flow = np.frombuffer(data, dtype="<f4", count=2 * width * height, offset=12)
+    return flow.reshape(height, width, 2).astype(np.float32)
+
+
+def write_flo(path: PathLike, flow: np.ndarray) -> None:
+    """Write float [H, W, 2] flow as a Middlebury ``.flo`` file (parent folders are created)."""
+    flow = _check_flow_array(path, flow)
+    height, width = flow.shape[:2]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    header = np.array([FLO_MAGIC], dtype="<f4").tobytes() + np.array([width, height], dtype="<i4").tobytes()
+    Path(path).write_bytes(header + np.ascontiguousarray(flow, dtype="<f4").tobytes())
+
+
+_PFM_HEADER = re.compile(rb"^(PF|Pf)\s+(\d+)\s+(\d+)\s+([-+0-9.eE]+)\s")
+
+
+def read_pfm(path: PathLike) -> np.ndarray:
+    """Read a ``.pfm`` file -> float32 [H, W, 2] for 3-channel ``PF`` files (u, v kept, the third channel
+    dropped, as for FlyingThings3D flow), or [H, W] for 1-channel ``Pf`` files.
+
+    A negative scale means little-endian data, a positive one big-endian; rows are stored bottom-to-top and
+    are flipped here (SPEC §8.2).
+    """
+    data = _read_bytes(path)
+    match = _PFM_HEADER.match(data)
+    if match is None:
+        raise FlowFileError(
+            path, "wrong .pfm header: expected 'PF' or 'Pf', then 'width height', then a scale, each on a line"
+        )
+    channels = 3 if match.group(1) == b"PF" else 1
+    width, height = int(match.group(2)), int(match.group(3))
+    try:
+        scale = float(match.group(4))
+    except ValueError:
+        raise FlowFileError(path, f"wrong .pfm scale {match.group(4)!r}: expected a number") from None
+    if scale == 0:
+        raise FlowFileError(path, "wrong .pfm scale 0: expected a negative (little-endian) or positive value")
+    dtype = "<f4" if scale < 0 else ">f4"
+    count = width * height * channels
+    offset = match.end()
+    available = len(data) - offset
+    if available < 4 * count:
+        raise FlowFileError(
+            path,
+            f"truncated .pfm data: {available} bytes after the header, expected {4 * count} "
+            f"for {width}x{height}x{channels}",
+        )
+    values = np.frombuffer(data, dtype=dtype, count=count, offset=offset).astype(np.float32)
+    if channels == 3:
+        return np.ascontiguousarray(np.flipud(values.reshape(height, width, 3))[:, :, :2])
+    return np.ascontiguousarray(np.flipud(values.reshape(height, width)))
+
+
+def read_kitti_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """Read a KITTI/HD1K 16-bit PNG flow -> (flow float32 [H, W, 2], valid float32 [H, W]).
+
+    Channels (R, G, B) = (u*64 + 2^15, v*64 + 2^15, valid) as uint16 (SPEC §8.2). Pillow cannot decode
+    these 3-channel 16-bit PNGs; OpenCV can (it returns BGR, so the channels are reversed here).
+    """
+    if not Path(path).is_file():
+        raise FlowFileError(path, "file not found; check the dataset root and the file name")
+    raw = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | cv2.IMREAD_COLOR)
+    if raw is None:
+        raise FlowFileError(path, "cannot decode the file as a PNG image (corrupt or not an image?)")
+    if raw.dtype != np.uint16 or raw.ndim != 3 or raw.shape[2] != 3:
+        raise FlowFileError(
+            path,
+            f"expected a 3-channel 16-bit KITTI flow PNG, got dtype {raw.dtype} and shape {tuple(raw.shape)}",
+        )
+    rgb = raw[:, :, ::-1].astype(np.float32)
+    flow = (rgb[:, :, :2] - _KITTI_OFFSET) / _KITTI_SCALE
+    valid = rgb[:, :, 2]
+    return np.ascontiguousarray(flow), np.ascontiguousarray(valid)
+
+
+def write_kitti_flow(path: PathLike, flow: np.ndarray, valid: np.ndarray | None = None) -> None:
+    """Write float [H, W, 2] flow as a KITTI 16-bit PNG; ``valid`` [H, W] defaults to all ones.
+
+    Values are rounded to 1/64 px and clipped to the representable range (about +-512 px).
+    """
+    flow = _check_flow_array(path, flow)
+    height, width = flow.shape[:2]
+    if valid is None:
+        valid = np.ones((height, width), dtype=np.float32)
+    valid = np.asarray(valid)
+    if valid.shape != (height, width):
+        raise FlowFileError(path, f"valid mask shape {tuple(valid.shape)} does not match flow {(height, width)}")
+    encoded = np.rint(flow.astype(np.float64) * _KITTI_SCALE + _KITTI_OFFSET)
+    encoded = np.clip(np.nan_to_num(encoded, nan=_KITTI_OFFSET), 0, 2**16 - 1)
+    rgb = np.concatenate([encoded, (valid > 0.5)[:, :, None]], axis=2).astype(np.uint16)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if not cv2.imwrite(str(path), np.ascontiguousarray(rgb[:, :, ::-1])):
+        raise FlowFileError(path, "OpenCV could not write the PNG (is the extension .png and the folder writable?)")
+
+
+def read_image(path: PathLike) -> np.ndarray:
+    """Read an 8-bit image -> uint8 [H, W, 3] RGB. Grey images become 3 channels, RGBA drops alpha."""
+    if not Path(path).is_file():
+        raise FlowFileError(path, "file not found; check the dataset root and the file name")
+    raw = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    if raw is None:
+        raise FlowFileError(path, "cannot decode the file as an image (corrupt or unsupported format?)")
+    if raw.dtype != np.uint8:
+        raise FlowFileError(path, f"expected an 8-bit image, got dtype {raw.dtype}")
+    if raw.ndim == 2:
+        return np.repeat(raw[:, :, None], 3, axis=2)
+    if raw.shape[2] == 1:
+        return np.repeat(raw, 3, axis=2)
+    if raw.shape[2] in (3, 4):
+        return np.ascontiguousarray(raw[:, :, 2::-1])  # BGR(A) -> RGB
+    raise FlowFileError(path, f"expected 1, 3 or 4 image channels, got {raw.shape[2]}")
+
+
+def read_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray | None]:
+    """Read any supported flow file by extension -> (flow [H, W, 2], valid [H, W] or None for dense flow)."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".flo":
+        return read_flo(path), None
+    if suffix == ".pfm":
+        flow = read_pfm(path)
+        if flow.ndim != 3:
+            raise FlowFileError(path, "expected a 3-channel ('PF') flow .pfm, got a 1-channel ('Pf') file")
+        return flow, None
+    if suffix == ".png":
+        return read_kitti_flow(path)
+    raise FlowFileError(path, f"unknown flow file extension {suffix!r}; expected .flo, .pfm or .png")
