@@ -69,7 +69,9 @@ def read_flo(path: PathLike) -> np.ndarray:
         raise FlowFileError(path, f"truncated .flo header: {len(data)} bytes, expected at least 12")
     magic = np.frombuffer(data, dtype="<f4", count=1)[0]
     if magic != np.float32(FLO_MAGIC):
-        raise FlowFileError(path, f"wrong .flo magic number {magic!r}, expected {FLO_MAGIC} (not a .flo file?)")
+        raise FlowFileError(
+            path, f"wrong .flo magic number {magic!r}, expected {FLO_MAGIC} (not a .flo file?)"
+        )
     width, height = (int(v) for v in np.frombuffer(data, dtype="<i4", count=2, offset=4))
     if width <= 0 or height <= 0 or width > 100_000 or height > 100_000:
         raise FlowFileError(path, f"implausible .flo size width={width}, height={height}")
@@ -109,7 +111,8 @@ def read_pfm(path: PathLike) -> np.ndarray:
     match = _PFM_HEADER.match(data)
     if match is None:
         raise FlowFileError(
-            path, "wrong .pfm header: expected 'PF' or 'Pf', then 'width height', then a scale, each on a line"
+            path,
+            "wrong .pfm header: expected 'PF' or 'Pf', then 'width height', then a scale, each on a line",
         )
     channels = 3 if match.group(1) == b"PF" else 1
     width, height = int(match.group(2)), int(match.group(3))
@@ -168,13 +171,17 @@ def write_kitti_flow(path: PathLike, flow: np.ndarray, valid: np.ndarray | None 
         valid = np.ones((height, width), dtype=np.float32)
     valid = np.asarray(valid)
     if valid.shape != (height, width):
-        raise FlowFileError(path, f"valid mask shape {tuple(valid.shape)} does not match flow {(height, width)}")
+        raise FlowFileError(
+            path, f"valid mask shape {tuple(valid.shape)} does not match flow {(height, width)}"
+        )
     encoded = np.rint(flow.astype(np.float64) * _KITTI_SCALE + _KITTI_OFFSET)
     encoded = np.clip(np.nan_to_num(encoded, nan=_KITTI_OFFSET), 0, 2**16 - 1)
     rgb = np.concatenate([encoded, (valid > 0.5)[:, :, None]], axis=2).astype(np.uint16)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if not cv2.imwrite(str(path), np.ascontiguousarray(rgb[:, :, ::-1])):
-        raise FlowFileError(path, "OpenCV could not write the PNG (is the extension .png and the folder writable?)")
+        raise FlowFileError(
+            path, "OpenCV could not write the PNG (is the extension .png and the folder writable?)"
+        )
 
 
 def read_image(path: PathLike) -> np.ndarray:
