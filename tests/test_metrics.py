@@ -1,0 +1,99 @@
+"""Flow metrics against hand-computed cases (SPEC §6.1, §7.1)."""
+
+import math
+
+import pytest
+import torch
+
+from flowformer.metrics import FlowMetrics, KittiMetrics, SpeedBinnedEPE
+
+
+def _flows(gt_uv: list[tuple[float, float]], err_uv: list[tuple[float, float]]) -> tuple[torch.Tensor, ...]:
+    """One row of pixels: gt [1,2,1,N] and pred = gt + err."""
+    gt = torch.tensor(gt_uv, dtype=torch.float32).T.reshape(1, 2, 1, -1)
+    err = torch.tensor(err_uv, dtype=torch.float32).T.reshape(1, 2, 1, -1)
+    return gt + err, gt
+
+
+# errors 0.5, 2, 4, 10 px; |gt| = 0, 3, 100, 5
+# F1: pixel 3 has epe 4 > 3 but 4 < 5 % of 100 -> inlier; pixel 4 (10 px on |gt| 5) is the only outlier.
+PRED, GT = _flows([(0, 0), (3, 0), (0, 100), (3, 4)], [(0.3, 0.4), (1.2, 1.6), (0, 4), (6, 8)])
+
+
+def test_flow_metrics_all_pixels() -> None:
+    m = FlowMetrics()
+    m.update(PRED, GT)
+    r = m.compute()
+    assert r["epe"].item() == pytest.approx((0.5 + 2 + 4 + 10) / 4)
+    assert r["1px"].item() == pytest.approx(1 / 4)
+    assert r["3px"].item() == pytest.approx(2 / 4)
+    assert r["5px"].item() == pytest.approx(3 / 4)
+    assert r["f1_all"].item() == pytest.approx(25.0)
+
+
+def test_flow_metrics_valid_mask_and_max_flow() -> None:
+    m = FlowMetrics()
+    m.update(PRED, GT, torch.tensor([[[1.0, 1.0, 1.0, 0.4]]]))  # 0.4 < 0.5 counts as invalid
+    r = m.compute()
+    assert r["epe"].item() == pytest.approx(6.5 / 3)
+    assert r["5px"].item() == pytest.approx(1.0)
+    assert r["f1_all"].item() == pytest.approx(0.0)
+    capped = FlowMetrics(max_flow=50.0)  # drops the |gt| = 100 pixel
+    capped.update(PRED, GT)
+    assert capped.compute()["epe"].item() == pytest.approx((0.5 + 2 + 10) / 3)
+
+
+def test_flow_metrics_pixel_pooled_across_updates_and_merge() -> None:
+    # image A: one pixel with epe 1; image B: three pixels with epe 3 -> pooled (1 + 9) / 4, not (1 + 3) / 2
+    a = _flows([(0, 0)], [(1, 0)])
+    b = _flows([(0, 0)] * 3, [(3, 0)] * 3)
+    m = FlowMetrics()
+    m.update(*a)
+    m.update(*b)
+    assert m.compute()["epe"].item() == pytest.approx(2.5)
+    # states are sums, so merging two ranks' states (what DDP's sum-reduce does) gives the same answer
+    rank0, rank1 = FlowMetrics(), FlowMetrics()
+    rank0.update(*a)
+    rank1.update(*b)
+    rank0.merge_state(rank1)
+    assert rank0.compute()["epe"].item() == pytest.approx(2.5)
+
+
+def test_speed_bins() -> None:
+    pred, gt = _flows([(5, 0), (0, 20), (50, 0), (39.9, 0)], [(1, 0), (0, 2), (3, 0), (0, 4)])
+    m = SpeedBinnedEPE()
+    m.update(pred, gt)
+    r = m.compute()
+    assert r["s0-10"].item() == pytest.approx(1.0)
+    assert r["s10-40"].item() == pytest.approx(3.0)
+    assert r["s40+"].item() == pytest.approx(3.0, rel=1e-6)
+    slow = SpeedBinnedEPE()
+    slow.update(*_flows([(1, 0)], [(1, 0)]))
+    assert math.isnan(slow.compute()["s40+"].item())
+
+
+def test_kitti_per_image_vs_pooled() -> None:
+    # image A: valid pixel epe 4 on |gt| 10 (outlier), invalid pixel with a huge error (ignored);
+    # image B: two valid pixels with epe 1. Image C has no valid pixel and is left out.
+    gt = torch.tensor([[[10.0, 0.0]], [[0.0, 0.0]]]).reshape(2, 1, 1, 2).expand(2, 2, 1, 2).clone()
+    gt[:, 1] = 0.0
+    pred = gt.clone()
+    pred[0, 0, 0, 0] += 4.0
+    pred[0, 0, 0, 1] += 100.0
+    pred[1, 1] += 1.0
+    valid = torch.tensor([[[1.0, 0.0]], [[1.0, 1.0]]])
+    m = KittiMetrics()
+    m.update(pred, gt, valid)
+    m.update(pred[:1], gt[:1], torch.zeros(1, 1, 2))
+    r = m.compute()
+    assert r["epe_per_image"].item() == pytest.approx((4 + 1) / 2)
+    assert r["epe_pooled"].item() == pytest.approx((4 + 1 + 1) / 3)
+    assert r["f1_all_per_image"].item() == pytest.approx((100 + 0) / 2)
+    assert r["f1_all_pooled"].item() == pytest.approx(100 / 3)
+
+
+def test_shape_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match=r"\[B,2,H,W\]"):
+        FlowMetrics().update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 5))
+    with pytest.raises(ValueError, match="valid mask"):
+        FlowMetrics().update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), torch.ones(1, 4, 5))
