@@ -1,0 +1,199 @@
+"""Supervised optical-flow training of the shared FlowFormer backbone (SPEC §6)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from flowformer.lit.optim import adamw_onecycle
+from flowformer.losses import sequence_loss
+from flowformer.metrics import FlowMetrics
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN/inf loss or gradient; raised before the optimiser touches the weights."""
+
+
+def plain_backbone_config(backbone: nn.Module | Mapping[str, Any]) -> dict[str, Any] | None:
+    """The backbone's Hydra config as plain Python values (for checkpoint hyperparameters), or None."""
+    if isinstance(backbone, nn.Module):
+        return None
+    if isinstance(backbone, DictConfig):
+        return OmegaConf.to_container(backbone, resolve=True)
+    return dict(backbone)
+
+
+def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
+    """An nn.Module as is, or a `_target_` mapping (e.g. conf/backbone/*.yaml) instantiated by Hydra."""
+    if isinstance(backbone, nn.Module):
+        return backbone
+    if "_target_" not in backbone:
+        raise ValueError(
+            f"model.backbone must be an nn.Module or a config with `_target_` (see conf/backbone/); "
+            f"got keys {sorted(backbone)}"
+        )
+    return hydra.utils.instantiate(backbone)
+
+
+def check_finite(value: Tensor, what: str, step: int) -> None:
+    if not torch.isfinite(value).all():
+        raise NonFiniteLossError(
+            f"non-finite {what} ({value.item() if value.numel() == 1 else 'tensor'}) at global step {step}: "
+            "training stopped before the optimiser step, so the weights and the last saved checkpoint are "
+            "intact. Lower model.lr, check the data (NaN/inf flow or images), or resume from the last "
+            "checkpoint with ckpt_path=..."
+        )
+
+
+class FlowModule(L.LightningModule):
+    """FlowFormer trained with the official sequence loss, AdamW + OneCycle; gradient clipping (1.0) comes
+    from the trainer config (`gradient_clip_val`).
+
+    backbone: the network, or its config mapping with `_target_` (Hydra passes conf/backbone/*.yaml with
+        `_recursive_: false`, so the plain config is what the checkpoint's hyperparameters store).
+    total_steps: OneCycle length; None takes trainer.max_steps + 100 as the official loops do (SPEC §6.2).
+    gamma, max_flow: sequence-loss weight decay and the validity threshold on |gt| (SPEC §6.1).
+    train_iters / val_iters: decoder iterations in training and validation.
+    init_from: checkpoint to initialise the backbone from (ours, an official .pth, or a Lightning .ckpt of a
+        previous stage); keys under `skip_init_prefixes` are not loaded (e.g. the MCVA `pretrain_head`).
+    add_noise: FlowFormer's pixel noise: per batch std ~ U(0,5), images clamped to 0..255 (SPEC §6.2).
+    """
+
+    def __init__(
+        self,
+        *,
+        backbone: nn.Module | Mapping[str, Any],
+        lr: float,
+        weight_decay: float,
+        total_steps: int | None = None,
+        pct_start: float = 0.05,
+        gamma: float = 0.8,
+        max_flow: float = 400.0,
+        train_iters: int = 12,
+        val_iters: int = 12,
+        init_from: str | None = None,
+        skip_init_prefixes: tuple[str, ...] | list[str] = (),
+        add_noise: bool = False,
+        num_val_panels: int = 2,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(
+            {
+                "backbone": plain_backbone_config(backbone),
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "total_steps": total_steps,
+                "pct_start": pct_start,
+                "gamma": gamma,
+                "max_flow": max_flow,
+                "train_iters": train_iters,
+                "val_iters": val_iters,
+                "init_from": init_from,
+                "skip_init_prefixes": list(skip_init_prefixes),
+                "add_noise": add_noise,
+                "num_val_panels": num_val_panels,
+            }
+        )
+        self.backbone = build_backbone(backbone)
+        if init_from is not None:
+            from flowformer.models.checkpoint import load_backbone_weights
+
+            report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
+            log.info("initialised the backbone from %s: %s", init_from, report)
+        self.val_names: list[str] = []
+        self.val_metrics = nn.ModuleDict()
+
+    def setup(self, stage: str) -> None:
+        """One FlowMetrics per validation set, named after the datamodule's `val_names`."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        names = list(getattr(datamodule, "val_names", []) or [])
+        if names and names != self.val_names:
+            self.val_names = names
+            self.val_metrics = nn.ModuleDict({name: FlowMetrics() for name in names})
+
+    def forward(self, image1: Tensor, image2: Tensor, iters: int | None = None) -> dict[str, Tensor]:
+        return self.backbone(image1, image2, iters=iters or self.hparams.val_iters)
+
+    def _add_pixel_noise(self, image1: Tensor, image2: Tensor) -> tuple[Tensor, Tensor]:
+        std = float(torch.empty(()).uniform_(0.0, 5.0))
+        image1 = (image1 + std * torch.randn_like(image1)).clamp(0.0, 255.0)
+        image2 = (image2 + std * torch.randn_like(image2)).clamp(0.0, 255.0)
+        return image1, image2
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        image1, image2 = batch["img1"], batch["img2"]
+        if self.hparams.add_noise:
+            image1, image2 = self._add_pixel_noise(image1, image2)
+        output = self.backbone(image1, image2, iters=self.hparams.train_iters)
+        loss, metrics = sequence_loss(
+            output["flow_predictions"],
+            batch["flow"],
+            batch["valid"],
+            gamma=self.hparams.gamma,
+            max_flow=self.hparams.max_flow,
+        )
+        check_finite(loss.detach(), "loss", self.global_step)
+        batch_size = image1.shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch_size)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log the gradient norm and refuse to step on NaN/inf gradients (they would poison the weights)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        check_finite(grad_norm, "gradient norm", self.global_step)
+        self.log("train/grad_norm", grad_norm)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        name = self.val_names[dataloader_idx] if self.val_names else "val"
+        if name not in self.val_metrics:
+            self.val_metrics[name] = FlowMetrics().to(self.device)
+        image1, image2 = batch["img1"], batch["img2"]
+        height, width = image1.shape[-2:]
+        if height % 8 or width % 8:
+            raise ValueError(
+                f"validation set '{name}' yields {height}x{width} images; FlowModule needs sides that are "
+                "multiples of 8 (crop or pad them in the dataset)"
+            )
+        output = self.backbone(image1, image2, iters=self.hparams.val_iters)
+        flow = output["flow"]  # [B,2,H,W]
+        metric = self.val_metrics[name]
+        metric.update(flow, batch["flow"], batch.get("valid"))
+
+    def on_validation_epoch_end(self) -> None:
+        for name, metric in self.val_metrics.items():
+            if not metric.update_called:
+                continue
+            values = metric.compute()
+            self.log_dict({f"val/{name}/{k}": v.float() for k, v in values.items()}, sync_dist=False)
+            metric.reset()
+
+    def configure_optimizers(self) -> dict:
+        total_steps = self.hparams.total_steps
+        if total_steps is None:
+            max_steps = self.trainer.max_steps
+            if max_steps is None or max_steps < 1:
+                raise ValueError(
+                    "model.total_steps is null, so it is derived from trainer.max_steps + 100, but "
+                    f"trainer.max_steps is {max_steps}; set trainer.max_steps (or model.total_steps)"
+                )
+            total_steps = max_steps + 100
+        return adamw_onecycle(
+            self.backbone.parameters(),
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+            total_steps=total_steps,
+            pct_start=self.hparams.pct_start,
+        )

@@ -1,0 +1,62 @@
+"""task=train (and task=pretrain): fit cfg.model on cfg.data with cfg.trainer; return the monitored metric."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig, open_dict
+
+from flowformer.tasks.runtime import (
+    build_callbacks,
+    build_loggers,
+    log_config,
+    record_wandb_id,
+    resolve_monitor,
+    write_run_record,
+)
+
+log = logging.getLogger(__name__)
+
+
+def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
+    """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer)."""
+    L.seed_everything(cfg.seed, workers=True)
+    output_dir = Path(cfg.paths.output_dir)
+    write_run_record(cfg, output_dir)
+
+    datamodule = hydra.utils.instantiate(cfg.data)
+    monitor = resolve_monitor(cfg, datamodule)
+    with open_dict(cfg):
+        cfg.monitor = monitor
+        checkpoint_cfg = (cfg.get("callbacks") or {}).get("model_checkpoint")
+        if monitor.startswith("train/") and checkpoint_cfg is not None and not checkpoint_cfg.every_n_train_steps:
+            # Without a validation loop the checkpoint is written on a step schedule instead.
+            interval = cfg.trainer.get("val_check_interval")
+            checkpoint_cfg.every_n_train_steps = interval if isinstance(interval, int) else 1000
+    log.info("monitored metric: %s (%s)", monitor, cfg.monitor_mode)
+
+    model = hydra.utils.instantiate(cfg.model)
+    loggers = build_loggers(cfg, output_dir)
+    callbacks = build_callbacks(cfg)
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+    log_config(loggers, cfg)
+    record_wandb_id(loggers, output_dir / "checkpoints")
+
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+
+    score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    if score is None:
+        score = trainer.callback_metrics.get(monitor)
+    value = None if score is None else float(score)
+    if trainer.checkpoint_callback is not None:
+        log.info("best checkpoint: %s", trainer.checkpoint_callback.best_model_path)
+        log.info("last checkpoint: %s", trainer.checkpoint_callback.last_model_path)
+    log.info("%s = %s", monitor, value)
+    return value, trainer
+
+
+def run(cfg: DictConfig) -> float | None:
+    return fit(cfg)[0]
