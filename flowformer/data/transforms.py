@@ -1,0 +1,420 @@
+"""Training augmentation for flow pairs and for pretraining image pairs (SPEC §6.4 and §5.1).
+
+All augmentors work on numpy arrays, exactly where the official code does: images uint8 [H, W, 3], flow
+float32 [H, W, 2], valid float32 [H, W]. Every random draw comes from the ``rng`` argument (a numpy
+``Generator``), so the caller decides the stream; :class:`WorkerRNG` gives each DataLoader worker its own
+stream, fresh every epoch (unlike the official per-worker ``np.random.seed(worker_id)``, SPEC §9.4).
+
+- :class:`FlowAugmentor`: dense ground truth (Chairs, Things, Sintel). Colour -> eraser -> spatial.
+- :class:`SparseFlowAugmentor`: sparse ground truth (KITTI, HD1K). Symmetric colour -> eraser -> pad,
+  scale with scattering of the valid points, horizontal flip, border-biased crop.
+- :class:`ImagePairAugmentor`: MCVA pretraining pairs (no flow, no eraser).
+
+Resizing uses ``cv2.resize(INTER_LINEAR)`` like the official code; colour jitter uses torchvision's tensor
+ops with torchvision ``ColorJitter`` semantics (random order of brightness, contrast, saturation, hue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cv2
+import numpy as np
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+__all__ = [
+    "ColorJitter",
+    "FlowAugmentor",
+    "ImagePairAugmentor",
+    "SparseFlowAugmentor",
+    "WorkerRNG",
+    "resample_sparse_flow",
+]
+
+
+class WorkerRNG:
+    """A numpy ``Generator`` per process, seeded from ``torch.initial_seed()``.
+
+    In a DataLoader worker ``torch.initial_seed()`` is ``base_seed + worker_id``, where ``base_seed`` is drawn
+    anew from the main process's torch RNG for every epoch's iterator: every worker gets its own stream and
+    no epoch replays the previous one. In the main process (``num_workers=0``) the seed is the global torch
+    seed (``seed_everything``), and the stream simply continues across epochs.
+    """
+
+    def __init__(self) -> None:
+        self._seed: int | None = None
+        self._generator: np.random.Generator | None = None
+
+    def get(self) -> np.random.Generator:
+        seed = torch.initial_seed()
+        if self._generator is None or seed != self._seed:
+            self._generator = np.random.default_rng(np.random.SeedSequence(seed))
+            self._seed = seed
+        return self._generator
+
+
+class ColorJitter:
+    """torchvision ``ColorJitter`` semantics driven by a numpy Generator.
+
+    Factors: brightness, contrast and saturation ~ U(max(0, 1-x), 1+x), hue ~ U(-h, h) (fraction of the
+    hue circle, h <= 0.5); the four ops are applied in a random order.
+    """
+
+    def __init__(self, *, brightness: float, contrast: float, saturation: float, hue: float) -> None:
+        if not 0.0 <= hue <= 0.5:
+            raise ValueError(f"ColorJitter: hue must lie in [0, 0.5], got {hue}")
+        self.brightness = brightness
+        self.contrast = contrast
+        self.saturation = saturation
+        self.hue = hue
+
+    def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """uint8 [H, W, 3] -> uint8 [H, W, 3]."""
+        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)  # [3, H, W] uint8
+        for op in rng.permutation(4):
+            if op == 0 and self.brightness > 0:
+                tensor = TF.adjust_brightness(tensor, self._factor(self.brightness, rng))
+            elif op == 1 and self.contrast > 0:
+                tensor = TF.adjust_contrast(tensor, self._factor(self.contrast, rng))
+            elif op == 2 and self.saturation > 0:
+                tensor = TF.adjust_saturation(tensor, self._factor(self.saturation, rng))
+            elif op == 3 and self.hue > 0:
+                tensor = TF.adjust_hue(tensor, float(rng.uniform(-self.hue, self.hue)))
+        return np.ascontiguousarray(tensor.permute(1, 2, 0).numpy())
+
+    @staticmethod
+    def _factor(amount: float, rng: np.random.Generator) -> float:
+        return float(rng.uniform(max(0.0, 1.0 - amount), 1.0 + amount))
+
+
+def _as_pair(value: Sequence[int], what: str) -> tuple[int, int]:
+    pair = tuple(int(v) for v in value)
+    if len(pair) != 2 or min(pair) <= 0:
+        raise ValueError(f"{what} must be two positive integers [height, width], got {list(value)}")
+    return pair  # type: ignore[return-value]
+
+
+def _photometric(
+    img1: np.ndarray, img2: np.ndarray, jitter: ColorJitter, asymmetric_prob: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """With probability ``asymmetric_prob`` jitter each image on its own, else both stacked as one image."""
+    if rng.random() < asymmetric_prob:
+        return jitter(img1, rng), jitter(img2, rng)
+    stacked = jitter(np.concatenate([img1, img2], axis=0), rng)  # [2H, W, 3]
+    return stacked[: img1.shape[0]], stacked[img1.shape[0] :]
+
+
+def _erase(img2: np.ndarray, prob: float, rng: np.random.Generator) -> np.ndarray:
+    """Occlusion augmentation (SPEC §6.4): 1-2 boxes of side 50-99 px filled with img2's mean colour."""
+    if rng.random() >= prob:
+        return img2
+    img2 = img2.copy()
+    height, width = img2.shape[:2]
+    mean_color = img2.reshape(-1, 3).mean(axis=0)
+    for _ in range(rng.integers(1, 3)):
+        x0, y0 = rng.integers(0, width), rng.integers(0, height)
+        dx, dy = rng.integers(50, 100), rng.integers(50, 100)
+        img2[y0 : y0 + dy, x0 : x0 + dx] = mean_color
+    return img2
+
+
+def _crop_offset(size: int, crop: int, rng: np.random.Generator, what: str) -> int:
+    """``randint(0, size - crop)`` with an exclusive upper bound, 0 when the size equals the crop."""
+    if size < crop:
+        raise ValueError(
+            f"{what}: the image ({size} px) is smaller than the crop ({crop} px) after augmentation; "
+            "lower the augmentor's crop_size or raise min_scale"
+        )
+    return 0 if size == crop else int(rng.integers(0, size - crop))
+
+
+def _resize(array: np.ndarray, scale_x: float, scale_y: float) -> np.ndarray:
+    return cv2.resize(array, None, fx=scale_x, fy=scale_y, interpolation=cv2.INTER_LINEAR)
+
+
+class _DenseSpatial:
+    """Scale + stretch, flips and crop shared by the dense flow and the pretraining augmentors."""
+
+    def __init__(
+        self,
+        *,
+        crop_size: Sequence[int],
+        min_scale: float,
+        max_scale: float,
+        do_flip: bool,
+        spatial_prob: float,
+        stretch_prob: float,
+        max_stretch: float,
+        h_flip_prob: float,
+        v_flip_prob: float,
+    ) -> None:
+        self.crop_size = _as_pair(crop_size, "crop_size")
+        if min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.do_flip = do_flip
+        self.spatial_prob = spatial_prob
+        self.stretch_prob = stretch_prob
+        self.max_stretch = max_stretch
+        self.h_flip_prob = h_flip_prob
+        self.v_flip_prob = v_flip_prob
+
+    def spatial(
+        self, img1: np.ndarray, img2: np.ndarray, flow: np.ndarray | None, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        crop_h, crop_w = self.crop_size
+        height, width = img1.shape[:2]
+        # Keep 8 px of slack so the crop always fits after resizing (SPEC §6.4).
+        floor = max((crop_h + 8) / height, (crop_w + 8) / width)
+        scale_x = scale_y = 2.0 ** rng.uniform(self.min_scale, self.max_scale)
+        if rng.random() < self.stretch_prob:
+            scale_x *= 2.0 ** rng.uniform(-self.max_stretch, self.max_stretch)
+            scale_y *= 2.0 ** rng.uniform(-self.max_stretch, self.max_stretch)
+        scale_x, scale_y = max(scale_x, floor), max(scale_y, floor)
+
+        if rng.random() < self.spatial_prob:
+            img1, img2 = _resize(img1, scale_x, scale_y), _resize(img2, scale_x, scale_y)
+            if flow is not None:
+                flow = _resize(flow, scale_x, scale_y) * np.array([scale_x, scale_y], dtype=np.float32)
+
+        if self.do_flip:
+            if rng.random() < self.h_flip_prob:
+                img1, img2 = img1[:, ::-1], img2[:, ::-1]
+                if flow is not None:
+                    flow = flow[:, ::-1] * np.array([-1.0, 1.0], dtype=np.float32)
+            if rng.random() < self.v_flip_prob:
+                img1, img2 = img1[::-1], img2[::-1]
+                if flow is not None:
+                    flow = flow[::-1] * np.array([1.0, -1.0], dtype=np.float32)
+
+        y0 = _crop_offset(img1.shape[0], crop_h, rng, f"{type(self).__name__} height")
+        x0 = _crop_offset(img1.shape[1], crop_w, rng, f"{type(self).__name__} width")
+        window = (slice(y0, y0 + crop_h), slice(x0, x0 + crop_w))
+        img1, img2 = np.ascontiguousarray(img1[window]), np.ascontiguousarray(img2[window])
+        if flow is not None:
+            flow = np.ascontiguousarray(flow[window], dtype=np.float32)
+        return img1, img2, flow
+
+
+class FlowAugmentor(_DenseSpatial):
+    """Dense-flow augmentation (FlyingChairs, FlyingThings3D, Sintel), SPEC §6.4.
+
+    Order: colour jitter (asymmetric with probability 0.2) -> eraser on img2 (p=0.5) -> scale
+    ``2^U(min_scale, max_scale)`` with stretch ``2^U(-0.2, 0.2)`` per axis (p=0.8), clipped so the crop fits,
+    resize (p=0.8) -> horizontal (p=0.5) and vertical (p=0.1) flips -> random crop. Per-stage values
+    (SPEC §6.3): chairs crop 368x496, scales (-0.1, 1.0); things 432x960, (-0.4, 0.8); sintel mix
+    432x960, (-0.2, 0.6); all with flips.
+    """
+
+    def __init__(
+        self,
+        *,
+        crop_size: Sequence[int],
+        min_scale: float = -0.2,
+        max_scale: float = 0.5,
+        do_flip: bool = True,
+        photometric: bool = True,
+        brightness: float = 0.4,
+        contrast: float = 0.4,
+        saturation: float = 0.4,
+        hue: float = 0.5 / 3.14,
+        asymmetric_prob: float = 0.2,
+        eraser_prob: float = 0.5,
+        spatial_prob: float = 0.8,
+        stretch_prob: float = 0.8,
+        max_stretch: float = 0.2,
+        h_flip_prob: float = 0.5,
+        v_flip_prob: float = 0.1,
+    ) -> None:
+        super().__init__(
+            crop_size=crop_size,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            do_flip=do_flip,
+            spatial_prob=spatial_prob,
+            stretch_prob=stretch_prob,
+            max_stretch=max_stretch,
+            h_flip_prob=h_flip_prob,
+            v_flip_prob=v_flip_prob,
+        )
+        self.photometric = photometric
+        self.jitter = ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
+        self.asymmetric_prob = asymmetric_prob
+        self.eraser_prob = eraser_prob
+
+    def __call__(
+        self, img1: np.ndarray, img2: np.ndarray, flow: np.ndarray, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """uint8 [H, W, 3] x2, float32 flow [H, W, 2] -> the same at ``crop_size``."""
+        if self.photometric:
+            img1, img2 = _photometric(img1, img2, self.jitter, self.asymmetric_prob, rng)
+        img2 = _erase(img2, self.eraser_prob, rng)
+        img1, img2, flow = self.spatial(img1, img2, flow, rng)
+        return img1, img2, flow  # type: ignore[return-value]
+
+
+class ImagePairAugmentor(_DenseSpatial):
+    """MCVA pretraining pair augmentation (``ImageAugmentor``, SPEC §5.1).
+
+    Colour jitter (0.4, 0.4, 0.4, hue 0.5/3.14; asymmetric with probability 0.2), **no eraser**, then the
+    dense spatial transform (scale ``2^U(-0.2, 0.6)``, stretch, flips, crop 368x496 in the official recipe).
+    """
+
+    def __init__(
+        self,
+        *,
+        crop_size: Sequence[int],
+        min_scale: float = -0.2,
+        max_scale: float = 0.6,
+        do_flip: bool = True,
+        photometric: bool = True,
+        brightness: float = 0.4,
+        contrast: float = 0.4,
+        saturation: float = 0.4,
+        hue: float = 0.5 / 3.14,
+        asymmetric_prob: float = 0.2,
+        spatial_prob: float = 0.8,
+        stretch_prob: float = 0.8,
+        max_stretch: float = 0.2,
+        h_flip_prob: float = 0.5,
+        v_flip_prob: float = 0.1,
+    ) -> None:
+        super().__init__(
+            crop_size=crop_size,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            do_flip=do_flip,
+            spatial_prob=spatial_prob,
+            stretch_prob=stretch_prob,
+            max_stretch=max_stretch,
+            h_flip_prob=h_flip_prob,
+            v_flip_prob=v_flip_prob,
+        )
+        self.photometric = photometric
+        self.jitter = ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
+        self.asymmetric_prob = asymmetric_prob
+
+    def __call__(
+        self, img1: np.ndarray, img2: np.ndarray, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 [H, W, 3] x2 -> uint8 [crop_h, crop_w, 3] x2."""
+        if self.photometric:
+            img1, img2 = _photometric(img1, img2, self.jitter, self.asymmetric_prob, rng)
+        img1, img2, _ = self.spatial(img1, img2, None, rng)
+        return img1, img2
+
+
+def resample_sparse_flow(
+    flow: np.ndarray, valid: np.ndarray, scale_x: float, scale_y: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Resize sparse flow by scattering its valid points (``resize_sparse_flow_map``, SPEC §6.4).
+
+    flow [H, W, 2], valid [H, W] -> flow [round(H*sy), round(W*sx), 2], valid (float32) of the same size.
+    A valid pixel at (x, y) lands on the nearest output pixel of ``((x+0.5)*sx - 0.5, (y+0.5)*sy - 0.5)``,
+    the pixel-centre mapping that ``cv2.resize`` uses for the images, and its flow is scaled by (sx, sy).
+    Deviation from the official code, on purpose: it maps x -> x*sx (off by 0.5*(sx-1) px from the resized
+    image) and drops points landing on row 0 or column 0 (a strict ``> 0`` test); we keep both consistent.
+    """
+    height, width = flow.shape[:2]
+    out_h, out_w = round(height * scale_y), round(width * scale_x)
+    ys, xs = np.nonzero(valid >= 0.5)  # valid points, [P] each
+    x_new = np.floor((xs + 0.5) * scale_x).astype(np.int64)  # round half up of (x + 0.5) * sx - 0.5
+    y_new = np.floor((ys + 0.5) * scale_y).astype(np.int64)
+    inside = (x_new >= 0) & (x_new < out_w) & (y_new >= 0) & (y_new < out_h)
+    out_flow = np.zeros((out_h, out_w, 2), dtype=np.float32)
+    out_valid = np.zeros((out_h, out_w), dtype=np.float32)
+    out_flow[y_new[inside], x_new[inside]] = flow[ys[inside], xs[inside]] * np.array(
+        [scale_x, scale_y], dtype=np.float32
+    )
+    out_valid[y_new[inside], x_new[inside]] = 1.0
+    return out_flow, out_valid
+
+
+class SparseFlowAugmentor:
+    """Sparse-flow augmentation (KITTI, HD1K), SPEC §6.4.
+
+    Symmetric colour jitter (0.3, 0.3, 0.3, hue 0.3/3.14) -> eraser on img2 (p=0.5) -> zero-pad bottom/right
+    when the crop is larger than the image -> scale ``2^U(min_scale, max_scale)`` (no stretch) clipped so the
+    crop fits, resize (p=0.8) with the valid points resampled by :func:`resample_sparse_flow` -> horizontal
+    flip (p=0.5, only with ``do_flip``) -> crop biased to the borders (offsets drawn from
+    ``[0, h-ch+20)`` and ``[-50, w-cw+50)``, then clipped). Per-stage values (SPEC §6.3): sintel mix KITTI
+    (-0.3, 0.5) and HD1K (-0.5, 0.2) with flip; kitti stage (-0.2, 0.4) without flip; crop 432x960.
+    """
+
+    def __init__(
+        self,
+        *,
+        crop_size: Sequence[int],
+        min_scale: float = -0.2,
+        max_scale: float = 0.5,
+        do_flip: bool = False,
+        photometric: bool = True,
+        brightness: float = 0.3,
+        contrast: float = 0.3,
+        saturation: float = 0.3,
+        hue: float = 0.3 / 3.14,
+        eraser_prob: float = 0.5,
+        spatial_prob: float = 0.8,
+        h_flip_prob: float = 0.5,
+        margin_y: int = 20,
+        margin_x: int = 50,
+    ) -> None:
+        self.crop_size = _as_pair(crop_size, "crop_size")
+        if min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.do_flip = do_flip
+        self.photometric = photometric
+        self.jitter = ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
+        self.eraser_prob = eraser_prob
+        self.spatial_prob = spatial_prob
+        self.h_flip_prob = h_flip_prob
+        self.margin_y = margin_y
+        self.margin_x = margin_x
+
+    def __call__(
+        self,
+        img1: np.ndarray,
+        img2: np.ndarray,
+        flow: np.ndarray,
+        valid: np.ndarray,
+        rng: np.random.Generator,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """uint8 [H, W, 3] x2, flow [H, W, 2], valid [H, W] -> the same at ``crop_size``."""
+        if self.photometric:
+            img1, img2 = _photometric(img1, img2, self.jitter, 0.0, rng)  # always symmetric
+        img2 = _erase(img2, self.eraser_prob, rng)
+
+        crop_h, crop_w = self.crop_size
+        pad_b, pad_r = max(crop_h - img1.shape[0], 0), max(crop_w - img1.shape[1], 0)
+        if pad_b or pad_r:  # zero-pad bottom/right: KITTI's ~375 rows always grow to a 432 crop
+            img1 = np.pad(img1, ((0, pad_b), (0, pad_r), (0, 0)))
+            img2 = np.pad(img2, ((0, pad_b), (0, pad_r), (0, 0)))
+            flow = np.pad(flow, ((0, pad_b), (0, pad_r), (0, 0)))
+            valid = np.pad(valid, ((0, pad_b), (0, pad_r)))
+
+        height, width = img1.shape[:2]
+        floor = max((crop_h + 1) / height, (crop_w + 1) / width)
+        scale = max(2.0 ** rng.uniform(self.min_scale, self.max_scale), floor)
+        if rng.random() < self.spatial_prob:
+            img1, img2 = _resize(img1, scale, scale), _resize(img2, scale, scale)
+            flow, valid = resample_sparse_flow(flow, valid, scale, scale)
+
+        if self.do_flip and rng.random() < self.h_flip_prob:
+            img1, img2, valid = img1[:, ::-1], img2[:, ::-1], valid[:, ::-1]
+            flow = flow[:, ::-1] * np.array([-1.0, 1.0], dtype=np.float32)
+
+        height, width = img1.shape[:2]
+        y0 = int(rng.integers(0, height - crop_h + self.margin_y))
+        x0 = int(rng.integers(-self.margin_x, width - crop_w + self.margin_x))
+        y0, x0 = int(np.clip(y0, 0, height - crop_h)), int(np.clip(x0, 0, width - crop_w))
+        window = (slice(y0, y0 + crop_h), slice(x0, x0 + crop_w))
+        return (
+            np.ascontiguousarray(img1[window]),
+            np.ascontiguousarray(img2[window]),
+            np.ascontiguousarray(flow[window], dtype=np.float32),
+            np.ascontiguousarray(valid[window], dtype=np.float32),
+        )
