@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from flowformer.eval.padding import InputPadder
 from flowformer.lit.optim import adamw_onecycle
 from flowformer.losses import sequence_loss
 from flowformer.metrics import FlowMetrics
@@ -161,14 +162,9 @@ class FlowModule(L.LightningModule):
         if name not in self.val_metrics:
             self.val_metrics[name] = FlowMetrics().to(self.device)
         image1, image2 = batch["img1"], batch["img2"]
-        height, width = image1.shape[-2:]
-        if height % 8 or width % 8:
-            raise ValueError(
-                f"validation set '{name}' yields {height}x{width} images; FlowModule needs sides that are "
-                "multiples of 8 (crop or pad them in the dataset)"
-            )
-        output = self.backbone(image1, image2, iters=self.hparams.val_iters)
-        flow = output["flow"]  # [B,2,H,W]
+        padder = InputPadder(image1.shape, mode="sintel")  # any size -> multiples of 8 (SPEC §7.2)
+        output = self.backbone(*padder.pad(image1, image2), iters=self.hparams.val_iters)
+        flow = padder.unpad(output["flow"])  # [B,2,H,W]
         metric = self.val_metrics[name]
         metric.update(flow, batch["flow"], batch.get("valid"))
 
