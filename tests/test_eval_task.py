@@ -1,0 +1,97 @@
+"""task=eval: the per-set protocol (padding, tiling, iterations) and its metrics, with stand-in networks."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from flowformer.tasks.eval import Protocol, evaluate_set, format_table, predict_flow
+
+
+class ConstantFlowSet(Dataset):
+    """Pairs with a constant ground-truth flow (3, 4): |gt| = 5 everywhere; `valid_rows` rows are valid."""
+
+    def __init__(self, sizes: list[tuple[int, int]], valid_rows: int | None = None) -> None:
+        self.sizes = sizes
+        self.valid_rows = valid_rows
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, index: int) -> dict:
+        h, w = self.sizes[index]
+        valid = torch.ones(h, w)
+        if self.valid_rows is not None:
+            valid[self.valid_rows :] = 0
+        flow = torch.stack([torch.full((h, w), 3.0), torch.full((h, w), 4.0)])
+        return {"img1": torch.rand(3, h, w) * 255, "img2": torch.rand(3, h, w) * 255, "flow": flow, "valid": valid}
+
+
+class RecordingNet(nn.Module):
+    """Returns a constant flow and records the input sizes and iteration counts it was called with."""
+
+    def __init__(self, flow: tuple[float, float]) -> None:
+        super().__init__()
+        self.flow = flow
+        self.calls: list[tuple[tuple[int, int], int]] = []
+
+    def forward(self, image1: torch.Tensor, image2: torch.Tensor, iters: int = 12) -> dict:
+        b, _, h, w = image1.shape
+        self.calls.append(((h, w), iters))
+        flow = torch.tensor(self.flow).view(1, 2, 1, 1).expand(b, 2, h, w)
+        return {"flow": flow.clone(), "flow_low": flow[..., ::8, ::8]}
+
+
+CPU = torch.device("cpu")
+
+
+def test_sintel_protocol_pads_uses_iters_and_reports_speed_bins() -> None:
+    net = RecordingNet((0.0, 0.0))  # error = |gt| = 5 on every pixel
+    protocol = Protocol(name="sintel_clean", kind="sintel", iters=32, pad_mode="sintel")
+    result = evaluate_set(net, ConstantFlowSet([(36, 60), (36, 60)], valid_rows=0), protocol, device=CPU)
+    assert net.calls == [((40, 64), 32)] * 2  # 'sintel' padding to multiples of 8, FF's 32 iterations
+    # Sintel ignores the valid mask (all pixels count, SPEC §7.1), so an all-invalid mask changes nothing
+    assert result["epe"] == pytest.approx(5.0)
+    assert result["1px"] == result["3px"] == result["5px"] == 0.0
+    assert result["s0-10"] == pytest.approx(5.0)
+    assert "f1_all" not in result
+
+
+def test_kitti_protocol_uses_valid_pixels_and_labels_both_averagings() -> None:
+    net = RecordingNet((3.0, 0.0))  # error (0, 4) -> epe 4 > 3 and > 5 % of 5: every pixel is an outlier
+    protocol = Protocol(name="kitti", kind="kitti", iters=24)
+    data = ConstantFlowSet([(20, 30), (20, 62)], valid_rows=5)
+    result = evaluate_set(net, data, protocol, device=CPU)
+    assert result["epe_per_image"] == pytest.approx(4.0)
+    assert result["epe_pooled"] == pytest.approx(4.0)
+    assert result["f1_all_pooled"] == pytest.approx(100.0)
+    assert result["f1_all_per_image"] == pytest.approx(100.0)
+    assert [iters for _, iters in net.calls] == [24, 24]
+
+
+def test_tiled_protocol_runs_the_official_tile_grid() -> None:
+    net = RecordingNet((3.0, 4.0))  # perfect prediction -> EPE 0 after blending
+    protocol = Protocol(name="kitti", kind="kitti", iters=2, tile_size=(24, 40), tile_pad_mode="kitti376")
+    with pytest.raises(ValueError, match="376"):
+        evaluate_set(net, ConstantFlowSet([(380, 60)]), protocol, device=CPU, tile=True)
+    protocol = Protocol(name="synthetic", kind="flow", iters=2, tile_size=(24, 40))
+    result = evaluate_set(net, ConstantFlowSet([(30, 60)]), protocol, device=CPU, tile=True, min_overlap=8)
+    # hs = [0, 6], ws = [0, 20] (last entries flush with the border): 4 tiles of 24x40
+    assert net.calls == [((24, 40), 2)] * 4
+    assert result["epe"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_predict_flow_tiling_needs_a_tile_size() -> None:
+    protocol = Protocol(name="chairs", kind="flow", iters=1)
+    image = torch.zeros(1, 3, 16, 16)
+    with pytest.raises(ValueError, match="tile_size"):
+        predict_flow(lambda a, b: torch.zeros(1, 2, 16, 16), image, image, protocol, tile=True)
+
+
+def test_protocol_from_config_and_table() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        Protocol.from_config("x", {"kind": "middlebury"})
+    protocol = Protocol.from_config("kitti", {"kind": "kitti", "iters": 24, "tile_size": [376, 720]})
+    assert protocol.tile_size == (376, 720) and protocol.pad_mode == "sintel"
+    table = format_table({"sintel_clean": {"epe": 1.0, "s40+": float("nan")}, "kitti": {"epe_per_image": 2.0}})
+    assert "sintel_clean" in table and "1.0000" in table and "kitti-epe = epe_per_image" in table
