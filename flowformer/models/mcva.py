@@ -1,0 +1,267 @@
+"""Masked Cost Volume Autoencoding (MCVA, FlowFormer++): masks, query rounds, targets and the loss (SPEC §5).
+
+Everything here is a pure function of tensors and of a `FlowFormer` built with `variant="flowformer_pp"`; the
+Lightning side (optimiser, logging, random draws) lives in `flowformer.lit.mcva`.
+
+Random draws are explicit inputs so that a step can be replayed: the mask noise [B, H1, W1, L] (L cost-map
+patch tokens per source pixel) and, per query round, a uniform draw [B, 2, H1, W1] for the query locations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from flowformer.models import sample_cost_window
+from flowformer.models.token_mask import TokenMask
+
+MaskingStrategy = Literal["block", "random"]
+ReconLocation = Literal["random", "fixed"]
+NormalizedSide = Literal["target", "prediction"]
+
+COST_PATCH_SIZE = 8  # cost maps are zero-padded to multiples of 8 and patchified into 8x8 tokens (SPEC §1.5)
+TARGET_NORM_EPS = 1e-6  # (x - mean) / sqrt(var_unbiased + 1e-6) over the window values (SPEC §5.5 step 6)
+
+
+def cost_token_grid(h1: int, w1: int) -> tuple[int, int]:
+    """Patch-token grid (H3, W3) of one H1 x W1 cost map: ceil(H1/8) x ceil(W1/8); 46x62 -> 6x8 (SPEC §1.5)."""
+    return -(-h1 // COST_PATCH_SIZE), -(-w1 // COST_PATCH_SIZE)
+
+
+def expand_block_noise(
+    low: Tensor, *, block_hw: tuple[int, int], offset_hw: tuple[int, int], out_hw: tuple[int, int]
+) -> Tensor:
+    """Repeat one noise vector per block over its gh x gw source pixels, then crop at the offset (SPEC §5.2).
+
+    low [H1//gh + 2, W1//gw + 2, L] -> noise [H1, W1, L] with
+    noise[y, x] = low[(y + start_h) // gh, (x + start_w) // gw].
+    """
+    (gh, gw), (start_h, start_w), (h1, w1) = block_hw, offset_hw, out_hw
+    up = low.repeat_interleave(gh, dim=0).repeat_interleave(gw, dim=1)
+    if start_h + h1 > up.shape[0] or start_w + w1 > up.shape[1]:
+        raise ValueError(
+            f"expand_block_noise: a {h1}x{w1} crop at offset ({start_h}, {start_w}) does not fit the "
+            f"up-sampled block noise of {up.shape[0]}x{up.shape[1]}; low must be [H1//gh+2, W1//gw+2, L]."
+        )
+    return up[start_h : start_h + h1, start_w : start_w + w1]
+
+
+def block_sharing_noise(
+    batch: int,
+    h1: int,
+    w1: int,
+    num_tokens: int,
+    *,
+    min_block: int = 4,
+    max_block: int = 15,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Block-sharing mask noise, drawn on the fly as `generate_mask.py` does offline (SPEC §5.2).
+
+    Per sample: block size gh, gw ~ U{min_block..max_block} (1/8-res source pixels, 4..15 = 32..120 image
+    pixels), one U[0,1) vector of `num_tokens` values per block, and a random offset start ~
+    U{0..(H1//gh + 2)*gh - H1 - 1} so that block borders do not align with the image origin.
+
+    Returns (noise [B, H1, W1, L] float32 on CPU, params [B, 4] int64 = (gh, gw, start_h, start_w)).
+    """
+    if not 1 <= min_block <= max_block:
+        raise ValueError(
+            f"block_sharing_noise: need 1 <= min_block <= max_block, got {min_block}, {max_block}"
+        )
+    noises, params = [], []
+    for _ in range(batch):
+        gh, gw = (int(v) for v in torch.randint(min_block, max_block + 1, (2,), generator=generator))
+        n_bh, n_bw = h1 // gh + 2, w1 // gw + 2
+        low = torch.rand(n_bh, n_bw, num_tokens, generator=generator)
+        start_h = int(torch.randint(0, n_bh * gh - h1, (1,), generator=generator))
+        start_w = int(torch.randint(0, n_bw * gw - w1, (1,), generator=generator))
+        noises.append(
+            expand_block_noise(low, block_hw=(gh, gw), offset_hw=(start_h, start_w), out_hw=(h1, w1))
+        )
+        params.append((gh, gw, start_h, start_w))
+    return torch.stack(noises), torch.tensor(params, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class CostMaskGenerator:
+    """Which cost-map patches the cost encoder sees: `block` (source pixels of a block share one mask) or
+    `random` (independent per source pixel), with exactly int(L * (1 - mask_ratio)) visible patches per pixel."""
+
+    strategy: MaskingStrategy = "block"
+    mask_ratio: float = 0.5
+    min_block: int = 4
+    max_block: int = 15
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("block", "random"):
+            raise ValueError(f"masking={self.strategy!r}: expected 'block' or 'random'.")
+        if not 0.0 <= self.mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio={self.mask_ratio}: expected a value in [0, 1).")
+
+    def noise(self, batch: int, h1: int, w1: int, *, generator: torch.Generator | None = None) -> Tensor:
+        """-> noise [B, H1, W1, L] (CPU float32), L = H3*W3 cost-map tokens per source pixel."""
+        num_tokens = cost_token_grid(h1, w1)[0] * cost_token_grid(h1, w1)[1]
+        if self.strategy == "random":
+            return torch.rand(batch, h1, w1, num_tokens, generator=generator)
+        noise, _ = block_sharing_noise(
+            batch, h1, w1, num_tokens, min_block=self.min_block, max_block=self.max_block, generator=generator
+        )
+        return noise
+
+    def token_mask(self, noise: Tensor) -> TokenMask:
+        """noise [B, H1, W1, L] -> TokenMask over rows b*H1*W1 + y1*W1 + x1 (the cost_maps row order)."""
+        if noise.dim() != 4:
+            raise ValueError(f"mask noise must be [B, H1, W1, L], got shape {tuple(noise.shape)}")
+        n_keep = int(noise.shape[-1] * (1 - self.mask_ratio))
+        if n_keep < 1:
+            raise ValueError(
+                f"mask_ratio={self.mask_ratio} keeps no cost-map patch out of {noise.shape[-1]}; lower it."
+            )
+        return TokenMask.from_noise(noise.reshape(-1, noise.shape[-1]), self.mask_ratio)
+
+
+def recon_locations(
+    uniform: Tensor | None,
+    *,
+    shape: tuple[int, int, int],
+    recon_size: int,
+    location: ReconLocation,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Where each source pixel's cost map is queried and reconstructed, in 1/8-res target-map pixels.
+
+    random (SPEC §5.5 step 1, no_border=True): uniform [B, 2, H1, W1] (channel 0 = x, 1 = y) ->
+        x = u_x * (W1 - S) + S // 2, y = u_y * (H1 - S) + S // 2, so the S x S window lies inside the map.
+    fixed (the paper's MAE-style ablation row): every source pixel at its own position (x1, y1), the zero-flow
+        location the decoder starts from in finetuning; `uniform` must be None.
+    -> coords [B, 2, H1, W1] (x, y).
+    """
+    batch, h1, w1 = shape
+    if location == "fixed":
+        if uniform is not None:
+            raise ValueError("recon_location='fixed' draws no query locations; pass query_uniform=None.")
+        ys, xs = torch.meshgrid(
+            torch.arange(h1, dtype=torch.float32, device=device),
+            torch.arange(w1, dtype=torch.float32, device=device),
+            indexing="ij",
+        )
+        return torch.stack([xs, ys]).unsqueeze(0).expand(batch, 2, h1, w1)
+    if location != "random":
+        raise ValueError(f"recon_location={location!r}: expected 'random' or 'fixed'.")
+    if uniform is None or tuple(uniform.shape) != (batch, 2, h1, w1):
+        got = None if uniform is None else tuple(uniform.shape)
+        raise ValueError(f"query_uniform must be [B, 2, H1, W1] = {(batch, 2, h1, w1)}, got {got}")
+    x = uniform[:, 0] * (w1 - recon_size) + recon_size // 2
+    y = uniform[:, 1] * (h1 - recon_size) + recon_size // 2
+    return torch.stack([x, y], dim=1)
+
+
+def normalize_per_pixel(values: Tensor, eps: float = TARGET_NORM_EPS) -> Tensor:
+    """[B, C, H, W] -> per pixel (x - mean_C) / sqrt(var_C + eps), var unbiased (divides by C-1; SPEC §5.5)."""
+    mean = values.mean(dim=1, keepdim=True)
+    var = values.var(dim=1, keepdim=True)
+    return (values - mean) / (var + eps) ** 0.5
+
+
+def reconstruction_loss(
+    prediction: Tensor, target: Tensor, *, normalize: NormalizedSide = "target"
+) -> Tensor:
+    """MSE of one query round, averaged over B * S^2 * H1 * W1 (every source pixel counts, masked or not).
+
+    normalize="target": mean((pred - Normalize(q^L))^2), as the official code does (SPEC §5.5, §9.1.16).
+    normalize="prediction": mean((q^L - Normalize(pred))^2), the paper's equation taken literally; its minimum is
+        the target's own per-pixel variance, so its values are not comparable with the code's loss.
+    """
+    if prediction.shape != target.shape:
+        raise ValueError(
+            f"reconstruction head output {tuple(prediction.shape)} does not match the target "
+            f"{tuple(target.shape)}; backbone.recon_size must match the head (S^2 channels per cost head)."
+        )
+    if normalize == "target":
+        return ((prediction - normalize_per_pixel(target)) ** 2).mean()
+    if normalize == "prediction":
+        return ((target - normalize_per_pixel(prediction)) ** 2).mean()
+    raise ValueError(f"normalize={normalize!r}: expected 'target' or 'prediction'.")
+
+
+@dataclass
+class MCVAOutput:
+    """loss: sum of the per-round losses (scalar); round_losses [R]; predictions / targets: the head outputs and
+    the normalised/raw targets [B, S^2, H1, W1] of the first `keep_rounds` rounds (detached)."""
+
+    loss: Tensor
+    round_losses: Tensor
+    token_mask: TokenMask
+    predictions: list[Tensor] = field(default_factory=list)
+    targets: list[Tensor] = field(default_factory=list)
+
+
+def mcva_forward(
+    net: nn.Module,
+    image1: Tensor,
+    image2: Tensor,
+    *,
+    mask_noise: Tensor,
+    query_uniform: Tensor | None,
+    mask_generator: CostMaskGenerator,
+    recon_location: ReconLocation = "random",
+    query_num: int = 30,
+    normalize: NormalizedSide = "target",
+    keep_rounds: int = 0,
+) -> MCVAOutput:
+    """One MCVA objective evaluation (SPEC §5.3-5.5).
+
+    image1, image2 [B, 3, H, W] in 0..255; mask_noise [B, H1, W1, L]; query_uniform [R, B, 2, H1, W1] with
+    R = query_num for recon_location="random", None for "fixed".
+    """
+    if not hasattr(net, "pretrain_head"):
+        raise ValueError(
+            "MCVA needs a backbone with a reconstruction head: build it with variant='flowformer_pp' "
+            "(e.g. backbone=flowformer_pp or backbone=tiny)."
+        )
+    feat1, feat2, context = net.encode_images(image1, image2)
+    cost_maps = net.cost_volume(feat1, feat2)  # [B*H1*W1, heads, H1, W1], unmasked
+    batch, (h1, w1) = image1.shape[0], cost_maps.shape[-2:]
+    if tuple(mask_noise.shape[:3]) != (batch, h1, w1):
+        raise ValueError(
+            f"mask noise {tuple(mask_noise.shape)} does not match the 1/8-res cost volume: expected "
+            f"[{batch}, {h1}, {w1}, L]"
+        )
+    if recon_location == "random" and (query_uniform is None or query_uniform.shape[0] != query_num):
+        got = None if query_uniform is None else tuple(query_uniform.shape)
+        raise ValueError(f"query_uniform must be [query_num={query_num}, B, 2, H1, W1], got {got}")
+    token_mask = mask_generator.token_mask(mask_noise.to(cost_maps.device))
+    cost_memory = net.encode_cost(cost_maps, context, token_mask=token_mask)  # [B*H1*W1, K, D]
+
+    recon_size = net.config["recon_size"]
+    targets_raw_src = cost_maps.detach()
+    total = torch.zeros((), device=cost_maps.device, dtype=torch.float32)
+    round_losses, predictions, targets = [], [], []
+    for round_idx in range(query_num):
+        uniform = None if query_uniform is None else query_uniform[round_idx].to(cost_maps.device)
+        coords = recon_locations(
+            uniform,
+            shape=(batch, h1, w1),
+            recon_size=recon_size,
+            location=recon_location,
+            device=cost_maps.device,
+        )
+        target = sample_cost_window(targets_raw_src, coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
+        cost_global = net.query_cost_memory(cost_memory, cost_maps, coords)  # [B, query_dim, H1, W1]
+        prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
+        round_loss = reconstruction_loss(prediction, target, normalize=normalize)
+        total = total + round_loss  # summed left to right from 0, as the official loop (SPEC §5.5)
+        round_losses.append(round_loss.detach())
+        if round_idx < keep_rounds:
+            predictions.append(prediction.detach())
+            targets.append((normalize_per_pixel(target) if normalize == "target" else target).detach())
+    return MCVAOutput(
+        loss=total,
+        round_losses=torch.stack(round_losses),
+        token_mask=token_mask,
+        predictions=predictions,
+        targets=targets,
+    )
