@@ -1,0 +1,411 @@
+"""Built-in synthetic data: layered, textured, moving shapes with exact ground-truth flow.
+
+A scene is a stack of layers, back to front: layer 0 is a textured background covering the whole plane, the
+others are textured random shapes (superellipses with lobed outlines). Every layer ``j`` moves with its own
+affine motion about its centre ``c_j``: at time ``t`` a layer point ``u`` (layer coordinates = frame-0 pixel
+coordinates) is seen at
+
+    A_t(u) = c + t * v + exp(t * log_s) * R(t * theta) (u - c).
+
+Frames are rendered by backward warping: each image pixel ``p`` samples layer ``j``'s texture at
+``A_t^{-1}(p)``, and the front-most layer whose shape contains that point wins. Both frames therefore come
+from the same continuous scene, so the flow of frame 1 -> frame 2 is exact: ``flow(p) = A_1(p) - p`` for the
+front-most layer at ``p`` in frame 1.
+
+``valid`` marks finite flow whose target lies inside the image; ``occlusion`` marks pixels whose surface is
+hidden at t=1 (another layer is in front at the target, or the target leaves the image). Everything is
+deterministic from ``(seed, index)`` and works at any size; sizes are in pixels, motions scale with the image
+(``max_translation`` is given at the 368x496 training size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+__all__ = ["SyntheticFlowDataset", "SyntheticVideoDataset"]
+
+_REFERENCE_SIZE = (368, 496)  # the FlowFormer training crop (SPEC §6.3); max_translation is given at it
+_COARSEST_CELL = 64  # multi-scale noise: octaves with cells of 64, 32, ... px down to a finest cell
+_EDGE_WIDTH = 1.0  # pixels: texture edges are soft steps about this wide, sharp but not aliased
+
+
+@dataclass(frozen=True)
+class _Scene:
+    """All per-layer parameters of one scene (L layers, layer 0 = background). Points are complex x + iy."""
+
+    textures: torch.Tensor  # [L, 3, H, W] colours in 0..255, in layer coordinates (frame-0 pixels)
+    centre: torch.Tensor  # [L] complex: centre of the shape and of the motion
+    velocity: torch.Tensor  # [L] complex: translation between t=0 and t=1, pixels
+    log_similarity: torch.Tensor  # [L] complex: log(scale change) + i * rotation between t=0 and t=1
+    radii: torch.Tensor  # [L, 2] shape half-axes (x, y) in pixels
+    orientation: torch.Tensor  # [L] complex unit number: the shape's orientation
+    exponent: torch.Tensor  # [L] superellipse exponent (1 diamond, 2 ellipse, large -> rectangle)
+    lobes: torch.Tensor  # [L] number of lobes of the outline
+    lobe_amplitude: torch.Tensor  # [L] relative lobe depth (0 = plain superellipse)
+    lobe_phase: torch.Tensor  # [L]
+
+
+def _check_size(size: tuple[int, int] | list[int]) -> tuple[int, int]:
+    if len(size) != 2 or any(int(s) != s or s < 8 for s in size):
+        raise ValueError(f"synthetic data: size must be (H, W) with integers >= 8, got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    """An independent, reproducible random stream for sample ``index`` of dataset ``seed``."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(index)]).generate_state(1, dtype=np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+def _uniform(gen: torch.Generator, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+    return low + (high - low) * torch.rand(shape, generator=gen)
+
+
+def _multiscale_noise(
+    gen: torch.Generator, layers: int, channels: int, height: int, width: int, finest_cell: int
+) -> torch.Tensor:
+    """Octaves of random grids, cells 64 px down to ``finest_cell`` px -> [layers, channels, H, W].
+
+    Octave weights grow as sqrt(cell), and the sum is divided by sqrt(sum of the weights squared), so the
+    values are roughly unit scale. Built as a pyramid: the running sum is upsampled 2x and the next (finer,
+    weaker) octave added, so the cost is dominated by the last upsampling.
+    """
+    cell = _COARSEST_CELL
+    total = math.sqrt(cell) * torch.randn(
+        layers, channels, height // cell + 2, width // cell + 2, generator=gen
+    )
+    weight_sq = float(cell)
+    while cell > finest_cell:
+        total = F.interpolate(total, scale_factor=2.0, mode="bilinear", align_corners=False)
+        cell //= 2
+        total += math.sqrt(cell) * torch.randn(total.shape, generator=gen)
+        weight_sq += cell
+    total = F.interpolate(total, scale_factor=float(cell), mode="bilinear", align_corners=False)
+    return total[:, :, :height, :width] / math.sqrt(weight_sq)
+
+
+def _make_textures(gen: torch.Generator, layers: int, height: int, width: int) -> torch.Tensor:
+    """Textures [layers, 3, H, W] in 0..255: a base colour, coloured multi-scale noise and sharp edges."""
+    base = _uniform(gen, (layers, 3, 1, 1), 40.0, 215.0)
+    # Luminance noise plus a random colour mix of three noise fields.
+    noise = _multiscale_noise(gen, layers, 3, height, width, finest_cell=2)
+    mix = torch.randn(layers, 3, 3, generator=gen) * 0.5 + torch.eye(3) * 0.5
+    colour_noise = torch.einsum("lij,ljhw->lihw", mix, noise)
+    luminance = noise[:, :1] * _uniform(gen, (layers, 1, 1, 1), 10.0, 30.0)
+    texture = base + luminance + colour_noise * _uniform(gen, (layers, 1, 1, 1), 5.0, 20.0)
+
+    # Edges: square-wave stripes at a random orientation and period, a checkerboard, and blobs (level sets
+    # of coarse noise). sin(phase) * period / 2pi is about the distance to the nearest edge in pixels.
+    ys = torch.arange(height, dtype=torch.float32).view(1, height, 1)
+    xs = torch.arange(width, dtype=torch.float32).view(1, 1, width)
+    alpha = _uniform(gen, (layers, 1, 1), 0.0, math.pi)
+    period = _uniform(gen, (layers, 1, 1), 10.0, 40.0)
+    phase = _uniform(gen, (layers, 1, 1), 0.0, 2 * math.pi)
+    along = (xs * torch.cos(alpha) + ys * torch.sin(alpha)) * (2 * math.pi / period) + phase
+    across = (-xs * torch.sin(alpha) + ys * torch.cos(alpha)) * (2 * math.pi / period) + phase
+    sharpness = period / (2 * math.pi * _EDGE_WIDTH)
+    stripes = torch.tanh(torch.sin(along) * sharpness)
+    checker = stripes * torch.tanh(torch.sin(across) * sharpness)
+    blobs = torch.tanh(3.0 * _multiscale_noise(gen, layers, 1, height, width, finest_cell=8)[:, 0])
+    weights = (torch.rand(layers, 3, generator=gen) < 0.5).float() * _uniform(gen, (layers, 3), 10.0, 30.0)
+    edges = torch.stack([stripes, checker, blobs], dim=1)  # [L, 3 patterns, H, W]
+    edge_signal = (edges * weights[:, :, None, None]).sum(dim=1, keepdim=True)  # [L, 1, H, W]
+    edge_colour = F.normalize(torch.randn(layers, 3, generator=gen), dim=1) * math.sqrt(3.0)
+    texture = texture + edge_signal * edge_colour[:, :, None, None]
+    return texture.clamp(0.0, 255.0)
+
+
+def _make_scene(
+    gen: torch.Generator,
+    height: int,
+    width: int,
+    *,
+    num_layers: int,
+    max_translation: float,
+    max_rotation: float,
+    max_scale_change: float,
+    background_motion: float,
+) -> _Scene:
+    layers = num_layers + 1
+    motion_scale = math.sqrt(height * width / (_REFERENCE_SIZE[0] * _REFERENCE_SIZE[1]))
+    centre = torch.complex(
+        torch.rand(layers, generator=gen) * width, torch.rand(layers, generator=gen) * height
+    )
+    centre[0] = complex((width - 1) / 2, (height - 1) / 2)
+    # Translation uniform in a disc; rotation and log-scale uniform; the background (camera) moves less.
+    radius = torch.sqrt(torch.rand(layers, generator=gen)) * max_translation * motion_scale
+    direction = _uniform(gen, (layers,), 0.0, 2 * math.pi)
+    angle = _uniform(gen, (layers,), -1.0, 1.0) * math.radians(max_rotation)
+    log_scale = _uniform(gen, (layers,), -1.0, 1.0) * math.log1p(max_scale_change)
+    damping = torch.ones(layers)
+    damping[0] = background_motion
+    radii = _uniform(gen, (layers, 2), 0.1, 0.35) * min(height, width)
+    orientation = torch.polar(torch.ones(layers), _uniform(gen, (layers,), 0.0, math.pi))
+    exponent = torch.tensor([1.0, 2.0, 2.0, 6.0])[torch.randint(0, 4, (layers,), generator=gen)]
+    lobes = torch.randint(2, 7, (layers,), generator=gen).float()
+    lobe_amplitude = _uniform(gen, (layers,), 0.0, 0.3) * (torch.rand(layers, generator=gen) < 0.6).float()
+    lobe_phase = _uniform(gen, (layers,), 0.0, 2 * math.pi)
+    # Textures are drawn last: the geometry and motion of a scene do not depend on the image size.
+    return _Scene(
+        textures=_make_textures(gen, layers, height, width),
+        centre=centre,
+        velocity=torch.polar(radius * damping, direction),
+        log_similarity=torch.complex(log_scale * damping, angle * damping),
+        radii=radii,
+        orientation=orientation,
+        exponent=exponent,
+        lobes=lobes,
+        lobe_amplitude=lobe_amplitude,
+        lobe_phase=lobe_phase,
+    )
+
+
+def _to_layer(scene: _Scene, points: torch.Tensor, t: float) -> torch.Tensor:
+    """A_t^{-1} for every layer: complex image points [L or 1, H, W] at time t -> layer points [L, H, W]."""
+    c = scene.centre.view(-1, 1, 1)
+    inverse = torch.exp(-t * scene.log_similarity).view(-1, 1, 1)
+    return c + (points - c - t * scene.velocity.view(-1, 1, 1)) * inverse
+
+
+def _to_image(scene: _Scene, points: torch.Tensor, t: float) -> torch.Tensor:
+    """A_t for every layer: complex layer points [L or 1, H, W] -> image points at time t [L, H, W]."""
+    c = scene.centre.view(-1, 1, 1)
+    forward = torch.exp(t * scene.log_similarity).view(-1, 1, 1)
+    return c + t * scene.velocity.view(-1, 1, 1) + (points - c) * forward
+
+
+def _inside(scene: _Scene, layer_points: torch.Tensor) -> torch.Tensor:
+    """Shape membership of complex layer points [L, H, W] -> bool [L, H, W]; the background covers all."""
+    # Only the foreground layers have shapes; the background (layer 0) is everywhere.
+    fg = slice(1, None)
+    local = (layer_points[fg] - scene.centre[fg].view(-1, 1, 1)) * scene.orientation[fg].conj().view(-1, 1, 1)
+    n = scene.exponent[fg].view(-1, 1, 1)
+    rx, ry = scene.radii[fg, 0].view(-1, 1, 1), scene.radii[fg, 1].view(-1, 1, 1)
+    rho = ((local.real.abs() / rx) ** n + (local.imag.abs() / ry) ** n) ** (1.0 / n)
+    lobe = torch.sin(
+        scene.lobes[fg].view(-1, 1, 1) * torch.angle(local) + scene.lobe_phase[fg].view(-1, 1, 1)
+    )
+    inside_fg = rho < 1.0 + scene.lobe_amplitude[fg].view(-1, 1, 1) * lobe
+    return torch.cat([torch.ones_like(layer_points[:1].real, dtype=torch.bool), inside_fg])
+
+
+def _front_layer(inside: torch.Tensor) -> torch.Tensor:
+    """Index of the front-most layer containing each pixel: bool [L, H, W] -> long [H, W]."""
+    order = torch.arange(inside.shape[0]).view(-1, 1, 1)
+    return torch.where(inside, order, 0).amax(dim=0)
+
+
+def _sample_textures(scene: _Scene, layer_points: torch.Tensor) -> torch.Tensor:
+    """Bilinear texture lookup at complex layer points [L, H, W] -> colours [L, 3, H, W].
+
+    Reflection padding keeps each texture a continuous function of the whole plane, so points that move in
+    from outside the frame are still well defined and consistent between frames.
+    """
+    height, width = scene.textures.shape[-2:]
+    size = torch.tensor([width, height], dtype=torch.float32)
+    grid = (torch.view_as_real(layer_points) + 0.5) / size * 2 - 1  # pixel centres -> [-1, 1], corners off
+    return F.grid_sample(
+        scene.textures, grid, mode="bilinear", padding_mode="reflection", align_corners=False
+    )
+
+
+def _pixel_grid(height: int, width: int) -> torch.Tensor:
+    """Complex pixel coordinates x + iy -> [1, H, W]."""
+    ys = torch.arange(height, dtype=torch.float32).view(height, 1)
+    xs = torch.arange(width, dtype=torch.float32).view(1, width)
+    return torch.complex(xs.expand(height, width), ys.expand(height, width)).unsqueeze(0)
+
+
+def _render(scene: _Scene, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frame at time t -> (float32 [3, H, W] in 0..255 rounded to 8-bit levels, front layer ids [H, W])."""
+    height, width = scene.textures.shape[-2:]
+    layer_points = _to_layer(scene, _pixel_grid(height, width), t)  # [L, H, W]
+    front = _front_layer(_inside(scene, layer_points))  # [H, W]
+    colours = _sample_textures(scene, layer_points)  # [L, 3, H, W]
+    frame = colours.gather(0, front.expand(1, 3, -1, -1)).squeeze(0)
+    return frame.round().clamp(0.0, 255.0), front
+
+
+def _flow_and_masks(scene: _Scene, front: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact flow t=0 -> t=1 given frame 0's front layers [H, W] -> (flow [2, H, W], valid, occlusion [H, W])."""
+    height, width = front.shape
+    pixels = _pixel_grid(height, width)  # [1, H, W]; at t=0 layer points are the pixels themselves
+    target = _to_image(scene, pixels, 1.0).gather(0, front.unsqueeze(0)).squeeze(0)  # [H, W] complex
+    flow = torch.view_as_real(target - pixels[0]).permute(2, 0, 1).contiguous()  # [2, H, W]
+    in_image = (
+        (target.real >= 0) & (target.real <= width - 1) & (target.imag >= 0) & (target.imag <= height - 1)
+    )
+    valid = torch.isfinite(flow).all(dim=0) & in_image
+    # The surface is occluded when another layer is in front at the (continuous) target point at t=1.
+    front_at_target = _front_layer(_inside(scene, _to_layer(scene, target.unsqueeze(0), 1.0)))
+    occlusion = (front_at_target != front) | ~in_image
+    return flow, valid.float(), occlusion.float()
+
+
+class _SceneSource:
+    """Shared construction and validation of the scene parameters for both synthetic datasets."""
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        size: tuple[int, int] | list[int],
+        seed: int,
+        num_layers: int,
+        max_translation: float,
+        max_rotation: float,
+        max_scale_change: float,
+        background_motion: float,
+    ) -> None:
+        if num_samples < 1:
+            raise ValueError(f"synthetic data: num_samples must be >= 1, got {num_samples}")
+        if num_layers < 0:
+            raise ValueError(f"synthetic data: num_layers must be >= 0, got {num_layers}")
+        if not 0 <= max_scale_change < 1:
+            raise ValueError(f"synthetic data: max_scale_change must be in [0, 1), got {max_scale_change}")
+        self.num_samples = int(num_samples)
+        self.size = _check_size(size)
+        self.seed = int(seed)
+        self.num_layers = int(num_layers)
+        self.max_translation = float(max_translation)
+        self.max_rotation = float(max_rotation)
+        self.max_scale_change = float(max_scale_change)
+        self.background_motion = float(background_motion)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _scene(self, index: int) -> _Scene:
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"synthetic data: index {index} out of range for {self.num_samples} samples")
+        index %= self.num_samples
+        return _make_scene(
+            _generator(self.seed, index),
+            *self.size,
+            num_layers=self.num_layers,
+            max_translation=self.max_translation,
+            max_rotation=self.max_rotation,
+            max_scale_change=self.max_scale_change,
+            background_motion=self.background_motion,
+        )
+
+    def _meta(self, index: int) -> dict[str, int | str]:
+        return {"dataset": "synthetic", "seed": self.seed, "index": int(index) % self.num_samples}
+
+
+class SyntheticFlowDataset(_SceneSource, Dataset):
+    """Image pairs with exact ground-truth flow, valid and occlusion masks (the data contract, plus
+    ``occlusion`` float [H, W], 1 = the pixel's surface is not visible at the target in frame 2).
+
+    Args:
+        num_samples: number of pairs; sample ``i`` is a pure function of ``(seed, i)``.
+        size: (H, W) in pixels, any integers >= 8.
+        seed: dataset seed; use different seeds for training and validation sets.
+        num_layers: moving foreground shapes in front of the background.
+        max_translation: largest object translation in pixels at 368x496, scaled with sqrt(H*W).
+        max_rotation: largest rotation between the frames, degrees.
+        max_scale_change: largest relative scale change between the frames (0.1 = +-10%).
+        background_motion: the background's motion as a fraction of the objects' (camera motion).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        size: tuple[int, int] | list[int] = _REFERENCE_SIZE,
+        seed: int = 0,
+        num_layers: int = 4,
+        max_translation: float = 100.0,
+        max_rotation: float = 10.0,
+        max_scale_change: float = 0.1,
+        background_motion: float = 0.25,
+    ) -> None:
+        super().__init__(
+            num_samples=num_samples,
+            size=size,
+            seed=seed,
+            num_layers=num_layers,
+            max_translation=max_translation,
+            max_rotation=max_rotation,
+            max_scale_change=max_scale_change,
+            background_motion=background_motion,
+        )
+
+    def __getitem__(self, index: int) -> dict[str, object]:
+        scene = self._scene(index)
+        img1, front = _render(scene, 0.0)
+        img2, _ = _render(scene, 1.0)
+        flow, valid, occlusion = _flow_and_masks(scene, front)
+        return {
+            "img1": img1,
+            "img2": img2,
+            "flow": flow,
+            "valid": valid,
+            "occlusion": occlusion,
+            "meta": self._meta(index),
+        }
+
+
+class SyntheticVideoDataset(_SceneSource, Dataset):
+    """Unlabeled clips of the same kind of scenes, for MCVA pretraining.
+
+    Clip ``i`` has ``num_frames`` frames at evenly spaced times from 0 to 1, so its first and last frames move
+    as much as a :class:`SyntheticFlowDataset` pair. As a dataset it yields the pair (frame 0, frame
+    ``frame_gap``) as ``img1``, ``img2`` (float32 [3, H, W], 0..255) with ``meta``; ``clip(i)`` returns all
+    frames [T, 3, H, W]. Arguments as for :class:`SyntheticFlowDataset`, plus ``num_frames`` (>= 3) and
+    ``frame_gap`` (1..num_frames-1, default: the last frame).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        size: tuple[int, int] | list[int] = _REFERENCE_SIZE,
+        seed: int = 0,
+        num_frames: int = 3,
+        frame_gap: int | None = None,
+        num_layers: int = 4,
+        max_translation: float = 100.0,
+        max_rotation: float = 10.0,
+        max_scale_change: float = 0.1,
+        background_motion: float = 0.25,
+    ) -> None:
+        super().__init__(
+            num_samples=num_samples,
+            size=size,
+            seed=seed,
+            num_layers=num_layers,
+            max_translation=max_translation,
+            max_rotation=max_rotation,
+            max_scale_change=max_scale_change,
+            background_motion=background_motion,
+        )
+        if num_frames < 3:
+            raise ValueError(f"SyntheticVideoDataset: num_frames must be >= 3, got {num_frames}")
+        frame_gap = num_frames - 1 if frame_gap is None else int(frame_gap)
+        if not 1 <= frame_gap < num_frames:
+            raise ValueError(
+                f"SyntheticVideoDataset: frame_gap must be in 1..{num_frames - 1} (num_frames - 1), got {frame_gap}"
+            )
+        self.num_frames = int(num_frames)
+        self.frame_gap = frame_gap
+
+    def _times(self) -> list[float]:
+        return [k / (self.num_frames - 1) for k in range(self.num_frames)]
+
+    def clip(self, index: int) -> torch.Tensor:
+        """All frames of clip ``index`` -> float32 [T, 3, H, W] in 0..255."""
+        scene = self._scene(index)
+        return torch.stack([_render(scene, t)[0] for t in self._times()])
+
+    def __getitem__(self, index: int) -> dict[str, object]:
+        scene = self._scene(index)
+        img1, _ = _render(scene, 0.0)
+        img2, _ = _render(scene, self._times()[self.frame_gap])
+        return {"img1": img1, "img2": img2, "meta": self._meta(index)}

@@ -1,0 +1,141 @@
+"""Built-in synthetic data: exact flow (warp test), masks, determinism, any size, clips for MCVA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
+
+SIZE = (64, 96)
+
+
+def _backward_warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
+    """Sample image [3, H, W] at p + flow(p) (bilinear) -> [3, H, W]."""
+    _, height, width = image.shape
+    ys, xs = torch.meshgrid(torch.arange(height).float(), torch.arange(width).float(), indexing="ij")
+    grid = torch.stack(
+        [(xs + flow[0]) / (width - 1) * 2 - 1, (ys + flow[1]) / (height - 1) * 2 - 1], dim=-1
+    ).unsqueeze(0)
+    return F.grid_sample(image[None], grid, mode="bilinear", align_corners=True)[0]
+
+
+def _visible(item: dict) -> torch.Tensor:
+    return (item["valid"] > 0) & (item["occlusion"] == 0)
+
+
+def _warp_error(item: dict, flow: torch.Tensor) -> float:
+    """Mean abs error of frame 1 against frame 2 warped back, over visible pixels away from occlusions
+    (3x3 erosion: bilinear warping mixes two layers where a neighbour is occluded)."""
+    error = (_backward_warp(item["img2"], flow) - item["img1"]).abs().mean(dim=0)
+    interior = -F.max_pool2d(-_visible(item)[None].float(), 3, stride=1, padding=1)[0] > 0
+    return error[interior].mean().item()
+
+
+def test_item_follows_the_data_contract() -> None:
+    item = SyntheticFlowDataset(num_samples=2, size=SIZE, seed=0)[1]
+    assert set(item) == {"img1", "img2", "flow", "valid", "occlusion", "meta"}
+    for key in ("img1", "img2"):
+        assert item[key].shape == (3, *SIZE) and item[key].dtype == torch.float32
+        assert 0 <= item[key].min() and item[key].max() <= 255
+        assert item[key].std() > 10  # textured, not flat
+    assert item["flow"].shape == (2, *SIZE) and item["flow"].dtype == torch.float32
+    for key in ("valid", "occlusion"):
+        assert item[key].shape == SIZE and item[key].dtype == torch.float32
+        assert set(item[key].unique().tolist()) <= {0.0, 1.0}
+    assert item["meta"] == {"dataset": "synthetic", "seed": 0, "index": 1}
+
+
+@pytest.mark.parametrize("size", [SIZE, (37, 53)])
+def test_warping_image2_by_gt_flow_recovers_image1(size: tuple[int, int]) -> None:
+    dataset = SyntheticFlowDataset(num_samples=4, size=size, seed=3)
+    errors, zero_errors = [], []
+    for index in range(len(dataset)):
+        item = dataset[index]
+        assert _visible(item).float().mean() > 0.4
+        errors.append(_warp_error(item, item["flow"]))
+        zero_errors.append(_warp_error(item, torch.zeros_like(item["flow"])))
+    mean_error = sum(errors) / len(errors)
+    assert mean_error < 2.0, errors  # grey levels, on non-occluded valid pixels
+    assert max(errors) < 3.5, errors
+    assert sum(zero_errors) / len(zero_errors) > 4 * mean_error  # the flow, not the scene, explains frame 2
+
+
+def test_flow_is_non_trivial_and_scales_with_size() -> None:
+    small = SyntheticFlowDataset(num_samples=4, size=SIZE, seed=1)
+    magnitudes = [small[i]["flow"].norm(dim=0).mean().item() for i in range(4)]
+    assert sum(magnitudes) / 4 > 3.0, magnitudes
+    # max_translation is given at 368x496 and scales with sqrt(H*W); the scene geometry scales with the image.
+    # Without rotation and scaling every layer only translates, so the flow takes at most num_layers + 1
+    # values, and doubling both sides doubles each of them.
+    kwargs = {"num_samples": 1, "seed": 1, "max_rotation": 0.0, "max_scale_change": 0.0}
+    small_flow = SyntheticFlowDataset(size=SIZE, **kwargs)[0]["flow"]
+    big_flow = SyntheticFlowDataset(size=(2 * SIZE[0], 2 * SIZE[1]), **kwargs)[0]["flow"]
+
+    def motions(flow: torch.Tensor) -> torch.Tensor:
+        return (flow * 100).round().flatten(1).unique(dim=1).T / 100  # [n, 2]
+
+    small, big = motions(small_flow), motions(big_flow)
+    assert 2 <= len(small) <= 5 and len(big) == len(small)
+    assert torch.cdist(2 * small, big).min(dim=1).values.max() < 0.05
+
+
+def test_masks_are_consistent_with_the_flow() -> None:
+    item = SyntheticFlowDataset(num_samples=1, size=SIZE, seed=5, max_translation=300.0)[0]
+    height, width = SIZE
+    ys, xs = torch.meshgrid(torch.arange(height).float(), torch.arange(width).float(), indexing="ij")
+    tx, ty = xs + item["flow"][0], ys + item["flow"][1]
+    outside = (tx < 0) | (tx > width - 1) | (ty < 0) | (ty > height - 1)
+    assert outside.any()
+    assert torch.equal(item["valid"] == 0, outside)
+    assert (item["occlusion"][outside] == 1).all()  # leaving the image counts as occluded
+    assert (item["occlusion"][~outside] == 1).any()  # and some surfaces are hidden by other layers
+
+
+def test_deterministic_from_seed_and_index() -> None:
+    first = SyntheticFlowDataset(num_samples=4, size=SIZE, seed=7)
+    again = SyntheticFlowDataset(num_samples=4, size=SIZE, seed=7)
+    _ = again[0]  # the order of access does not matter
+    reference, repeat = first[2], again[2]
+    for key in ("img1", "img2", "flow", "valid", "occlusion"):
+        assert torch.equal(reference[key], repeat[key])
+    assert not torch.equal(reference["img1"], first[1]["img1"])
+    other_seed = SyntheticFlowDataset(num_samples=4, size=SIZE, seed=8)
+    assert not torch.equal(reference["img1"], other_seed[2]["img1"])
+    assert torch.equal(first[-2]["flow"], reference["flow"])
+    with pytest.raises(IndexError, match="out of range"):
+        first[4]
+
+
+def test_batches_through_a_dataloader() -> None:
+    batch = next(iter(DataLoader(SyntheticFlowDataset(num_samples=4, size=SIZE, seed=0), batch_size=2)))
+    assert batch["img1"].shape == (2, 3, *SIZE) and batch["valid"].shape == (2, *SIZE)
+    assert batch["meta"]["index"].tolist() == [0, 1]
+
+
+def test_video_clips_are_scenes_of_the_same_kind() -> None:
+    video = SyntheticVideoDataset(num_samples=2, size=SIZE, seed=4, num_frames=3)
+    pairs = SyntheticFlowDataset(num_samples=2, size=SIZE, seed=4)
+    clip = video.clip(1)
+    assert clip.shape == (3, 3, *SIZE) and clip.dtype == torch.float32
+    # Frames are evenly spaced in time from 0 to 1, so the clip's ends are the labelled pair of the same scene.
+    assert torch.equal(clip[0], pairs[1]["img1"]) and torch.equal(clip[2], pairs[1]["img2"])
+    assert not torch.equal(clip[1], clip[0]) and not torch.equal(clip[1], clip[2])
+    item = video[1]
+    assert set(item) == {"img1", "img2", "meta"}
+    assert torch.equal(item["img1"], clip[0]) and torch.equal(item["img2"], clip[2])
+    gap_one = SyntheticVideoDataset(num_samples=2, size=SIZE, seed=4, num_frames=5, frame_gap=1)
+    assert torch.equal(gap_one[0]["img2"], gap_one.clip(0)[1])
+
+
+def test_bad_settings_are_reported() -> None:
+    with pytest.raises(ValueError, match="size must be"):
+        SyntheticFlowDataset(num_samples=1, size=(4, 96))
+    with pytest.raises(ValueError, match="num_samples"):
+        SyntheticFlowDataset(num_samples=0, size=SIZE)
+    with pytest.raises(ValueError, match="num_frames must be >= 3"):
+        SyntheticVideoDataset(num_samples=1, size=SIZE, num_frames=2)
+    with pytest.raises(ValueError, match="frame_gap"):
+        SyntheticVideoDataset(num_samples=1, size=SIZE, num_frames=3, frame_gap=3)
