@@ -18,9 +18,9 @@ import torch
 
 __all__ = [
     "epe_map",
-    "error_to_rgb",
+    "error_to_color",
     "flow_panel",
-    "flow_to_rgb",
+    "flow_to_color",
     "make_colorwheel",
     "write_flow_image",
 ]
@@ -69,11 +69,11 @@ _WHEEL = make_colorwheel()
 def _check_max_flow(max_flow: float | None) -> None:
     if max_flow is not None and not max_flow > 0:
         raise ValueError(
-            f"flow_to_rgb: max_flow must be positive or None (use the largest length), got {max_flow}"
+            f"flow_to_color: max_flow must be positive or None (use the largest length), got {max_flow}"
         )
 
 
-def _flow_to_rgb_numpy(flow: np.ndarray, max_flow: float | None) -> np.ndarray:
+def _flow_to_color_numpy(flow: np.ndarray, max_flow: float | None) -> np.ndarray:
     """flow [H, W, 2] -> uint8 [H, W, 3]."""
     u, v = (np.nan_to_num(flow[..., i].astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0) for i in (0, 1))
     radius = np.sqrt(u**2 + v**2)
@@ -91,7 +91,7 @@ def _flow_to_rgb_numpy(flow: np.ndarray, max_flow: float | None) -> np.ndarray:
     return np.floor(255 * colour).astype(np.uint8)
 
 
-def _flow_to_rgb_torch(flow: torch.Tensor, max_flow: float | None) -> torch.Tensor:
+def _flow_to_color_torch(flow: torch.Tensor, max_flow: float | None) -> torch.Tensor:
     """flow [B, 2, H, W] -> uint8 [B, 3, H, W]; each picture is normalised by its own largest length."""
     flow = torch.nan_to_num(flow.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
     u, v = flow[:, 0], flow[:, 1]
@@ -114,7 +114,9 @@ def _flow_to_rgb_torch(flow: torch.Tensor, max_flow: float | None) -> torch.Tens
     return torch.floor(255 * colour).to(torch.uint8).permute(0, 3, 1, 2).contiguous()
 
 
-def flow_to_rgb(flow: np.ndarray | torch.Tensor, max_flow: float | None = None) -> np.ndarray | torch.Tensor:
+def flow_to_color(
+    flow: np.ndarray | torch.Tensor, max_flow: float | None = None
+) -> np.ndarray | torch.Tensor:
     """Colour-code flow with the Middlebury wheel.
 
     numpy [H, W, 2] -> uint8 [H, W, 3]; torch [B, 2, H, W] -> uint8 [B, 3, H, W] (or [2, H, W] -> [3, H, W]),
@@ -124,16 +126,16 @@ def flow_to_rgb(flow: np.ndarray | torch.Tensor, max_flow: float | None = None) 
     _check_max_flow(max_flow)
     if isinstance(flow, torch.Tensor):
         if flow.ndim == 3 and flow.shape[0] == 2:
-            return _flow_to_rgb_torch(flow.unsqueeze(0), max_flow)[0]
+            return _flow_to_color_torch(flow.unsqueeze(0), max_flow)[0]
         if flow.ndim != 4 or flow.shape[1] != 2:
             raise ValueError(
-                f"flow_to_rgb: expected a torch flow [B, 2, H, W] or [2, H, W], got {tuple(flow.shape)}"
+                f"flow_to_color: expected a torch flow [B, 2, H, W] or [2, H, W], got {tuple(flow.shape)}"
             )
-        return _flow_to_rgb_torch(flow, max_flow)
+        return _flow_to_color_torch(flow, max_flow)
     flow = np.asarray(flow)
     if flow.ndim != 3 or flow.shape[2] != 2:
-        raise ValueError(f"flow_to_rgb: expected a numpy flow [H, W, 2], got {tuple(flow.shape)}")
-    return _flow_to_rgb_numpy(flow, max_flow)
+        raise ValueError(f"flow_to_color: expected a numpy flow [H, W, 2], got {tuple(flow.shape)}")
+    return _flow_to_color_numpy(flow, max_flow)
 
 
 def epe_map(pred: np.ndarray, gt: np.ndarray) -> np.ndarray:
@@ -146,7 +148,7 @@ def epe_map(pred: np.ndarray, gt: np.ndarray) -> np.ndarray:
     return np.sqrt(((pred - gt) ** 2).sum(axis=2)).astype(np.float32)
 
 
-def error_to_rgb(pred: np.ndarray, gt: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+def error_to_color(pred: np.ndarray, gt: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
     """Colour-code the flow error with the KITTI devkit scale -> uint8 [H, W, 3].
 
     The error is normalised as min(epe / 3 px, epe / (0.05 * |gt|)), so 1.0 is exactly the KITTI outlier
@@ -164,7 +166,7 @@ def error_to_rgb(pred: np.ndarray, gt: np.ndarray, valid: np.ndarray | None = No
         valid = np.asarray(valid)
         if valid.shape != epe.shape:
             raise ValueError(
-                f"error_to_rgb: valid mask shape {valid.shape} does not match the flow {epe.shape}"
+                f"error_to_color: valid mask shape {valid.shape} does not match the flow {epe.shape}"
             )
         out[valid < 0.5] = 0
     return out
@@ -203,7 +205,7 @@ def flow_panel(
     if pred.shape[:2] != image.shape[:2]:
         raise ValueError(f"flow_panel: flow_pred is {pred.shape[:2]} but the image is {image.shape[:2]}")
     if flow_gt is None:
-        return np.concatenate([image, flow_to_rgb(pred, max_flow)], axis=1)
+        return np.concatenate([image, flow_to_color(pred, max_flow)], axis=1)
     gt = _as_hwc(flow_gt, 2, "flow_panel: flow_gt")
     if gt.shape != pred.shape:
         raise ValueError(f"flow_panel: flow_gt is {gt.shape[:2]} but flow_pred is {pred.shape[:2]}")
@@ -213,16 +215,16 @@ def flow_panel(
     if max_flow is None:
         lengths = np.sqrt((np.nan_to_num(gt) ** 2).sum(axis=2))[mask]
         max_flow = float(lengths.max()) if lengths.size and lengths.max() > 0 else 1.0
-    gt_rgb = flow_to_rgb(np.where(mask[..., None], gt, 0.0), max_flow)
-    pred_rgb = flow_to_rgb(pred, max_flow)
-    return np.concatenate([image, gt_rgb, pred_rgb, error_to_rgb(pred, gt, valid)], axis=1)
+    gt_rgb = flow_to_color(np.where(mask[..., None], gt, 0.0), max_flow)
+    pred_rgb = flow_to_color(pred, max_flow)
+    return np.concatenate([image, gt_rgb, pred_rgb, error_to_color(pred, gt, valid)], axis=1)
 
 
 def write_flow_image(
     path: str | os.PathLike, flow: np.ndarray | torch.Tensor, max_flow: float | None = None
 ) -> None:
     """Save the colour-coded flow (numpy [H, W, 2] or torch [2, H, W]) as an 8-bit RGB picture (e.g. PNG)."""
-    rgb = flow_to_rgb(_as_hwc(flow, 2, "write_flow_image: flow"), max_flow)
+    rgb = flow_to_color(_as_hwc(flow, 2, "write_flow_image: flow"), max_flow)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if not cv2.imwrite(str(path), np.ascontiguousarray(rgb[:, :, ::-1])):
         raise OSError(f"{path}: OpenCV could not write the picture (check the extension and the folder)")

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from flowformer.data.io import read_image
-from flowformer.viz import epe_map, error_to_rgb, flow_panel, flow_to_rgb, make_colorwheel, write_flow_image
+from flowformer.viz import (
+    epe_map,
+    error_to_color,
+    flow_panel,
+    flow_to_color,
+    make_colorwheel,
+    write_flow_image,
+)
 
 
 def _uniform_flow(u: float, v: float, size: tuple[int, int] = (4, 5)) -> np.ndarray:
@@ -36,29 +43,29 @@ def test_colorwheel_has_the_middlebury_segments() -> None:
 
 
 def test_known_directions() -> None:
-    right = flow_to_rgb(_uniform_flow(3.0, 0.0))[0, 0]
+    right = flow_to_color(_uniform_flow(3.0, 0.0))[0, 0]
     assert right.tolist() == [255, 0, 0]  # full length, pure +x -> red
-    down = flow_to_rgb(_uniform_flow(0.0, 3.0))[0, 0]
+    down = flow_to_color(_uniform_flow(0.0, 3.0))[0, 0]
     assert down[0] == 255 and 150 < down[1] < 255 and down[2] == 0  # orange-yellow
-    left = flow_to_rgb(_uniform_flow(-3.0, 0.0))[0, 0]
+    left = flow_to_color(_uniform_flow(-3.0, 0.0))[0, 0]
     assert left[0] == 0 and left[2] == 255  # light blue
-    up = flow_to_rgb(_uniform_flow(0.0, -3.0))[0, 0]
+    up = flow_to_color(_uniform_flow(0.0, -3.0))[0, 0]
     assert up[2] == 255 and up[1] == 0 and up[0] < 200  # violet-blue
 
 
 def test_saturation_follows_length_and_max_flow() -> None:
     flow = np.zeros((1, 3, 2), np.float32)
     flow[0, :, 0] = [0.0, 1.0, 2.0]
-    rgb = flow_to_rgb(flow)
+    rgb = flow_to_color(flow)
     assert rgb[0, 0].tolist() == [255, 255, 255]  # zero flow is white
     assert rgb[0, 2].tolist() == [255, 0, 0]  # the longest vector is fully saturated
     assert rgb[0, 1, 1] == pytest.approx(127, abs=1)  # half length, half saturation
-    fixed = flow_to_rgb(flow, max_flow=4.0)
+    fixed = flow_to_color(flow, max_flow=4.0)
     assert fixed[0, 2, 1] == pytest.approx(127, abs=1)
-    darker = flow_to_rgb(flow, max_flow=1.0)[0, 2]  # longer than max_flow -> darkened by 0.75
+    darker = flow_to_color(flow, max_flow=1.0)[0, 2]  # longer than max_flow -> darkened by 0.75
     assert darker.tolist() == [191, 0, 0]
     with pytest.raises(ValueError, match="max_flow"):
-        flow_to_rgb(flow, max_flow=0.0)
+        flow_to_color(flow, max_flow=0.0)
 
 
 def test_numpy_and_torch_paths_agree() -> None:
@@ -66,19 +73,20 @@ def test_numpy_and_torch_paths_agree() -> None:
     flows = (rng.standard_normal((2, 9, 13, 2)) * 5).astype(np.float32)
     flows[1, 0, 0] = np.nan  # non-finite vectors are drawn as zero flow in both paths
     batch = torch.from_numpy(flows).permute(0, 3, 1, 2)
-    rgb_torch = flow_to_rgb(batch)
+    rgb_torch = flow_to_color(batch)
     assert rgb_torch.dtype == torch.uint8 and rgb_torch.shape == (2, 3, 9, 13)
     for i in range(2):
-        expected = flow_to_rgb(flows[i])
+        expected = flow_to_color(flows[i])
         np.testing.assert_array_equal(rgb_torch[i].permute(1, 2, 0).numpy(), expected)
         np.testing.assert_array_equal(
-            flow_to_rgb(batch[i], max_flow=3.0).permute(1, 2, 0).numpy(), flow_to_rgb(flows[i], max_flow=3.0)
+            flow_to_color(batch[i], max_flow=3.0).permute(1, 2, 0).numpy(),
+            flow_to_color(flows[i], max_flow=3.0),
         )
     assert rgb_torch[1, :, 0, 0].tolist() == [255, 255, 255]
     with pytest.raises(ValueError, match=r"\[B, 2, H, W\]"):
-        flow_to_rgb(torch.zeros(1, 3, 4, 4))
+        flow_to_color(torch.zeros(1, 3, 4, 4))
     with pytest.raises(ValueError, match=r"\[H, W, 2\]"):
-        flow_to_rgb(np.zeros((2, 4, 4)))
+        flow_to_color(np.zeros((2, 4, 4)))
 
 
 def test_epe_and_error_map() -> None:
@@ -89,7 +97,7 @@ def test_epe_and_error_map() -> None:
     np.testing.assert_allclose(epe_map(pred, gt)[0, :2], [5.0, 0.5], rtol=1e-6)
     valid = np.ones((2, 3), np.float32)
     valid[1, 2] = 0
-    rgb = error_to_rgb(pred, gt, valid)
+    rgb = error_to_color(pred, gt, valid)
     assert rgb.shape == (2, 3, 3) and rgb.dtype == np.uint8
     assert tuple(rgb[0, 0]) == (254, 224, 144)  # normalised error min(5/3, 5/0.5) = 1.67 -> the 1..2 bin
     assert tuple(rgb[0, 1]) == (116, 173, 209)  # min(0.5/3, 0.5/0.5) = 0.167 -> the 1/8..1/4 bin
@@ -120,4 +128,4 @@ def test_write_flow_image(tmp_path: Path) -> None:
     flow = _uniform_flow(1.0, 0.0)
     path = tmp_path / "vis" / "flow.png"
     write_flow_image(path, flow)
-    np.testing.assert_array_equal(read_image(path), flow_to_rgb(flow))
+    np.testing.assert_array_equal(read_image(path), flow_to_color(flow))
