@@ -21,7 +21,7 @@ class TokenMask:
     removed: Tensor
 
     @classmethod
-    def from_noise(cls, noise: Tensor, mask_ratio: float) -> "TokenMask":
+    def from_noise(cls, noise: Tensor, mask_ratio: float) -> TokenMask:
         """noise [N, L] -> keep the int(L*(1-mask_ratio)) tokens with the smallest noise (SPEC §5.2)."""
         n_rows, n_tokens = noise.shape
         n_keep = int(n_tokens * (1 - mask_ratio))

@@ -1,0 +1,322 @@
+"""Cost-volume encoder: patchify each cost map, summarise it into K latent tokens, then alternate intra- and
+inter-cost-map attention (the AGT layers). SPEC §1.5-1.8 and, for the MCVA mask, §5.4.
+
+Module and parameter names follow the official `CostPerceiverEncoder` so checkpoints load by key.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flowformer.models.layers import (
+    Mlp,
+    coords_grid,
+    feed_forward,
+    linear_position_encoding,
+    multi_head_attention,
+)
+from flowformer.models.token_mask import TokenMask
+
+PATCH = 8  # cost-map patch size: three stride-2 convs (SPEC §1.5)
+WINDOW = 7  # LSA window in the inter-cost-map attention (SPEC §1.8)
+SUBSAMPLE = 4  # GSA sub-sampling ratio (SPEC §1.8)
+HEADS = 8
+
+
+class PatchEmbed(nn.Module):
+    """Cost maps [N, heads, H2, W2] -> patch tokens [N, H3*W3, dim + pe_dim] (SPEC §1.5, §5.4).
+
+    Zero-pad to multiples of 8, three k6/s2/p2 convs with ReLU only between them, concatenate the sine code of
+    the patch centres (8j+4, 8i+4), 1x1 conv FFN, LayerNorm. With `removed` masks (MCVA), each conv input is
+    multiplied by (1 - mask) at its own resolution.
+    """
+
+    def __init__(self, *, in_chans: int, dim: int, pe_dim: int) -> None:
+        super().__init__()
+        self.pe_dim = pe_dim
+        self.proj = nn.ModuleList(
+            [
+                nn.Conv2d(in_chans, dim // 4, kernel_size=6, stride=2, padding=2),
+                nn.ReLU(),
+                nn.Conv2d(dim // 4, dim // 2, kernel_size=6, stride=2, padding=2),
+                nn.ReLU(),
+                nn.Conv2d(dim // 2, dim, kernel_size=6, stride=2, padding=2),
+            ]
+        )
+        token_dim = dim + pe_dim
+        self.ffn_with_coord = nn.Sequential(
+            nn.Conv2d(token_dim, token_dim, kernel_size=1),
+            nn.ReLU(),
+            nn.Conv2d(token_dim, token_dim, kernel_size=1),
+        )
+        self.norm = nn.LayerNorm(token_dim)
+
+    def forward(self, cost_maps: Tensor, removed: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
+        n, _, height, width = cost_maps.shape
+        x = F.pad(cost_maps, (0, (PATCH - width % PATCH) % PATCH, 0, (PATCH - height % PATCH) % PATCH))
+        h3, w3 = x.shape[2] // PATCH, x.shape[3] // PATCH
+        masks: list[Tensor | None] = [None, None, None]
+        if removed is not None:
+            if removed.shape != (n, h3 * w3):
+                raise ValueError(
+                    f"TokenMask.removed has shape {tuple(removed.shape)}, expected [B*H1*W1, H3*W3] = "
+                    f"[{n}, {h3 * w3}] for cost maps {tuple(cost_maps.shape)} (one bit per 8x8 cost patch)"
+                )
+            grid = removed.view(n, 1, h3, w3).to(x.dtype)
+            # one bit per token -> nearest-upsampled to 48x64, 24x32, 12x16 for the three convs (SPEC §5.2)
+            masks = [grid.repeat_interleave(s, dim=2).repeat_interleave(s, dim=3) for s in (8, 4, 2)]
+        for idx, layer in enumerate(self.proj):
+            if idx % 2 == 0 and masks[idx // 2] is not None:
+                x = x * (1 - masks[idx // 2])
+            x = layer(x)
+        # x [N, dim, H3, W3]; patch centres in 1/8-res cost-map pixels
+        centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2
+        pe = linear_position_encoding(centres.view(n, 2, -1).permute(0, 2, 1), self.pe_dim)
+        pe = pe.permute(0, 2, 1).reshape(n, -1, h3, w3)
+        x = self.ffn_with_coord(torch.cat([x, pe.to(x.dtype)], dim=1))
+        return self.norm(x.flatten(2).transpose(1, 2)), (h3, w3)
+
+
+class LatentCrossAttention(nn.Module):
+    """K latent codewords attend to the patch tokens of each cost map (official `input_layer`, SPEC §1.7).
+
+    latent [1, K, D], tokens [N, L, T] -> [N, K, D]. With `ids_keep` [N, n_keep] only the kept tokens are
+    gathered before k and v (MCVA, SPEC §5.4).
+    """
+
+    def __init__(self, *, dim: int, token_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(token_dim, dim)
+        self.v = nn.Linear(token_dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ffn = feed_forward(dim)
+
+    def forward(self, latent: Tensor, tokens: Tensor, ids_keep: Tensor | None = None) -> Tensor:
+        if ids_keep is not None:
+            tokens = torch.gather(tokens, 1, ids_keep[..., None].expand(-1, -1, tokens.shape[-1]))
+        q = self.q(self.norm1(latent))
+        x = latent + self.proj(multi_head_attention(q, self.k(tokens), self.v(tokens), HEADS))
+        return x + self.ffn(self.norm2(x))
+
+
+class SelfAttentionLayer(nn.Module):
+    """Intra-cost-map attention over the K tokens of one source pixel: [N, K, D] -> [N, K, D]."""
+
+    def __init__(self, *, dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ffn = feed_forward(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.norm1(x)
+        x = x + self.proj(multi_head_attention(self.q(y), self.k(y), self.v(y), HEADS))
+        return x + self.ffn(self.norm2(x))
+
+
+def _context_tokens(context: Tensor | None, proj: nn.Linear | None, rows: int) -> Tensor | None:
+    """context [B, Cc, H, W] -> projected [B*K, H, W, c], row b*K + k = image b (the per-image pairing that
+    FlowFormer++ uses; FlowFormer's `repeat` pairs wrongly for B > 1, SPEC §9.1.1)."""
+    if proj is None:
+        return None
+    if context is None:
+        raise ValueError(
+            "this cost encoder projects image context into its attention (context_proj_dim > 0); "
+            "pass the context features"
+        )
+    batch, channels, height, width = context.shape
+    c = proj(context.view(batch, channels, height * width).permute(0, 2, 1))
+    return c.repeat_interleave(rows // batch, dim=0).view(rows, height, width, -1)
+
+
+class LocalWindowAttention(nn.Module):
+    """LSA over the source grid, 7x7 windows, window-local sine code on q/k (SPEC §1.8, PE use b).
+
+    x [B*K, H1*W1, D] -> same. With context (c > 0), q and k see [x ‖ context_proj(ctx)]; v sees x only.
+    Padded positions take part in the softmax unmasked, as in the official code (SPEC §9.1.3).
+    """
+
+    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int) -> None:
+        super().__init__()
+        self.dim, self.c = dim, context_proj_dim
+        if context_proj_dim > 0:
+            self.context_proj = nn.Linear(context_dim, context_proj_dim)
+        self.q = nn.Linear(dim + context_proj_dim, dim)
+        self.k = nn.Linear(dim + context_proj_dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        rows, n, channels = x.shape
+        height, width = size
+        ws, heads = WINDOW, HEADS
+        x = x.view(rows, height, width, channels)
+        ctx = _context_tokens(context, getattr(self, "context_proj", None), rows)
+        x_qk = x if ctx is None else torch.cat([x, ctx.to(x.dtype)], dim=-1)
+        pad = (0, 0, 0, (ws - width % ws) % ws, 0, (ws - height % ws) % ws)
+        x, x_qk = F.pad(x, pad), F.pad(x_qk, pad)
+        hp, wp = x.shape[1], x.shape[2]
+        nh, nw = hp // ws, wp // ws
+
+        def windows(t: Tensor) -> Tensor:
+            # [rows, Hp, Wp, C] -> [rows, nh, nw, ws, ws, C]
+            return t.reshape(rows, nh, ws, nw, ws, t.shape[-1]).transpose(2, 3)
+
+        def split_heads(t: Tensor) -> Tensor:
+            # [rows, nh, nw, ws, ws, C] -> [rows, nh*nw, heads, ws*ws, C/heads]
+            return t.reshape(rows, nh * nw, ws * ws, heads, channels // heads).permute(0, 1, 3, 2, 4)
+
+        v = split_heads(self.v(windows(x)))
+        local = coords_grid(1, ws, ws, device=x.device).view(1, 2, -1).permute(0, 2, 1)
+        pe = linear_position_encoding(local, channels + self.c).view(ws, ws, -1)
+        x_qk = windows(x_qk) + pe
+        q, k = split_heads(self.q(x_qk)), split_heads(self.k(x_qk))
+        attn = ((q @ k.transpose(-2, -1)) * (channels // heads) ** -0.5).softmax(dim=-1)
+        out = (attn @ v).transpose(2, 3).reshape(rows, nh, nw, ws, ws, channels)
+        out = out.transpose(2, 3).reshape(rows, hp, wp, channels)[:, :height, :width, :]
+        return self.proj(out.reshape(rows, n, channels))
+
+
+class GlobalSubsampledAttention(nn.Module):
+    """GSA: every position attends to a 4x4-strided summary of the grid (SPEC §1.8, PE uses c and d).
+
+    x [B*K, H1*W1, D] -> same. With context: q from [x ‖ ctx] + PE, keys from `sr_key` on [x ‖ ctx] then the
+    shared `norm`, + PE of the sub-sampled coordinates ×4; values from `sr_value` on x then the same `norm`.
+    Without context (FlowFormer-small): one `sr` conv; the key PE exists in FlowFormer only (`key_pe`).
+    """
+
+    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool = True) -> None:
+        super().__init__()
+        self.dim, self.c, self.key_pe = dim, context_proj_dim, key_pe
+        self.q = nn.Linear(dim + context_proj_dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        if context_proj_dim > 0:
+            self.context_proj = nn.Linear(context_dim, context_proj_dim)
+            self.sr_key = nn.Conv2d(dim + context_proj_dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
+            self.sr_value = nn.Conv2d(dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
+        else:
+            self.sr = nn.Conv2d(dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        rows, n, channels = x.shape
+        height, width = size
+        sr, heads = SUBSAMPLE, HEADS
+        x = x.view(rows, height, width, channels)
+        ctx = _context_tokens(context, getattr(self, "context_proj", None), rows)
+        x_qk = x if ctx is None else torch.cat([x, ctx.to(x.dtype)], dim=-1)
+        pad = (0, 0, 0, (sr - width % sr) % sr, 0, (sr - height % sr) % sr)
+        x, x_qk = F.pad(x, pad), F.pad(x_qk, pad)
+        hp, wp = x.shape[1], x.shape[2]
+        x, x_qk = x.view(rows, hp * wp, channels), x_qk.view(rows, hp * wp, -1)
+
+        coords = coords_grid(1, hp, wp, device=x.device).view(1, 2, -1).permute(0, 2, 1)
+        q = self.q(x_qk + linear_position_encoding(coords, channels + self.c))
+        q = q.reshape(rows, hp * wp, heads, channels // heads).permute(0, 2, 1, 3)
+
+        def subsample(conv: nn.Conv2d, t: Tensor) -> Tensor:
+            # [rows, Hp*Wp, C] -> [rows, Hp/4*Wp/4, D]
+            t = conv(t.permute(0, 2, 1).reshape(rows, -1, hp, wp))
+            return self.norm(t.reshape(rows, channels, -1).permute(0, 2, 1))
+
+        if self.c > 0:
+            keys, values = subsample(self.sr_key, x_qk), subsample(self.sr_value, x)
+        else:
+            keys = values = subsample(self.sr, x)
+        if self.key_pe:
+            sub = coords_grid(1, hp // sr, wp // sr, device=x.device).view(1, 2, -1).permute(0, 2, 1) * sr
+            keys = keys + linear_position_encoding(sub, channels)
+        m = (hp // sr) * (wp // sr)
+        k = self.k(keys).reshape(rows, m, heads, channels // heads).permute(0, 2, 1, 3)
+        v = self.v(values).reshape(rows, m, heads, channels // heads).permute(0, 2, 1, 3)
+        attn = ((q @ k.transpose(-2, -1)) * (channels // heads) ** -0.5).softmax(dim=-1)
+        out = (attn @ v).transpose(1, 2).reshape(rows, hp, wp, channels)[:, :height, :width, :]
+        return self.proj(out.reshape(rows, n, channels))
+
+
+class AGTBlock(nn.Module):
+    """Pre-norm transformer block around one inter-cost-map attention; MLP 4x; LayerNorm eps 1e-5."""
+
+    def __init__(self, *, dim: int, attn: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = attn
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim=dim, hidden=4 * dim)
+
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        x = x + self.attn(self.norm1(x), size, context)
+        return x + self.mlp(self.norm2(x))
+
+
+class VerticalSelfAttentionLayer(nn.Module):
+    """Inter-cost-map attention: LSA block then GSA block over the source grid, per latent slot."""
+
+    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool) -> None:
+        super().__init__()
+        kw = {"dim": dim, "context_dim": context_dim, "context_proj_dim": context_proj_dim}
+        self.local_block = AGTBlock(dim=dim, attn=LocalWindowAttention(**kw))
+        self.global_block = AGTBlock(dim=dim, attn=GlobalSubsampledAttention(**kw, key_pe=key_pe))
+
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        return self.global_block(self.local_block(x, size, context), size, context)
+
+
+class CostPerceiverEncoder(nn.Module):
+    """cost_maps [B*H1*W1, heads, H2, W2] (+ context [B, Cc, H1, W1]) -> cost memory [B*H1*W1, K, D]."""
+
+    def __init__(
+        self,
+        *,
+        cost_heads: int,
+        patch_dim: int,
+        patch_pe_dim: int,
+        num_latent_tokens: int,
+        latent_dim: int,
+        depth: int,
+        context_dim: int,
+        context_proj_dim: int,
+        gsa_key_pe: bool,
+    ) -> None:
+        super().__init__()
+        self.num_latent_tokens = num_latent_tokens
+        self.patch_embed = PatchEmbed(in_chans=cost_heads, dim=patch_dim, pe_dim=patch_pe_dim)
+        self.latent_tokens = nn.Parameter(torch.randn(1, num_latent_tokens, latent_dim))
+        self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=patch_dim + patch_pe_dim)
+        self.encoder_layers = nn.ModuleList([SelfAttentionLayer(dim=latent_dim) for _ in range(depth)])
+        self.vertical_encoder_layers = nn.ModuleList(
+            [
+                VerticalSelfAttentionLayer(
+                    dim=latent_dim,
+                    context_dim=context_dim,
+                    context_proj_dim=context_proj_dim,
+                    key_pe=gsa_key_pe,
+                )
+                for _ in range(depth)
+            ]
+        )
+
+    def forward(self, cost_maps: Tensor, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
+        batch, _, h1, w1 = context.shape
+        k = self.num_latent_tokens
+        tokens, _ = self.patch_embed(cost_maps, None if token_mask is None else token_mask.removed)
+        x = self.input_layer(self.latent_tokens, tokens, None if token_mask is None else token_mask.ids_keep)
+        shortcut = x  # [B*H1*W1, K, D]
+        for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
+            x = intra(x)
+            # [B*H1*W1, K, D] -> [B*K, H1*W1, D]: row b*K + k holds slot k of every source pixel of image b
+            x = x.view(batch, h1 * w1, k, -1).permute(0, 2, 1, 3).reshape(batch * k, h1 * w1, -1)
+            x = inter(x, (h1, w1), context)
+            x = x.view(batch, k, h1 * w1, -1).permute(0, 2, 1, 3).reshape(batch * h1 * w1, k, -1)
+        return x + shortcut

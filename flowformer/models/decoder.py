@@ -1,0 +1,278 @@
+"""Recurrent cost-memory decoder: cost queries, GMA motion aggregation, SepConvGRU, convex upsampling
+(SPEC §1.9), plus FlowFormer++'s reconstruction head (SPEC §5.5). Official module names, so checkpoints load."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flowformer.models.layers import (
+    coords_grid,
+    feed_forward,
+    linear_position_encoding,
+    multi_head_attention,
+    sample_cost_window,
+    upsample_flow_convex,
+)
+
+QUERY_RADIUS = 4  # 9x9 cost crop around the current target position
+HIDDEN = 128  # GRU state and GRU context-input channels
+HEADS = 8
+
+
+class CostQueryAttention(nn.Module):
+    """A cost query attends to the K memory tokens of its own source pixel (official `cross_attend`).
+
+    query [N, 1, Q], coords [B, 2, H1, W1] with N = B*H1*W1, memory keys/values [N, K, Q] -> [N, 1, Q].
+    `query_source="crop_and_pe"`: q = Linear(LN(query) + PE(coords)); `"pe"`: q = Linear(PE(coords)).
+    FlowFormer projects cat[attn, query] (proj 2Q -> Q); FlowFormer++ projects attn only (Q -> Q), SPEC §9.1.8.
+    """
+
+    def __init__(self, *, query_dim: int, memory_dim: int, concat_shortcut: bool, query_source: str) -> None:
+        super().__init__()
+        if query_source not in ("crop_and_pe", "pe"):
+            raise ValueError(f"decoder_query must be 'crop_and_pe' or 'pe', got {query_source!r}")
+        self.query_dim, self.concat_shortcut, self.query_source = query_dim, concat_shortcut, query_source
+        self.norm1 = nn.LayerNorm(query_dim)
+        self.norm2 = nn.LayerNorm(query_dim)
+        self.q = nn.Linear(query_dim, query_dim)
+        self.k = nn.Linear(memory_dim, query_dim)
+        self.v = nn.Linear(memory_dim, query_dim)
+        self.proj = nn.Linear(2 * query_dim if concat_shortcut else query_dim, query_dim)
+        self.ffn = feed_forward(query_dim)
+
+    def forward(self, query: Tensor, coords: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        batch, _, h1, w1 = coords.shape
+        points = coords.contiguous().view(batch, 2, -1).permute(0, 2, 1).reshape(batch * h1 * w1, 1, 2)
+        pe = linear_position_encoding(points, self.query_dim)
+        q_in = pe if self.query_source == "pe" else self.norm1(query) + pe
+        x = multi_head_attention(self.q(q_in), key, value, HEADS)
+        x = self.proj(torch.cat([x, query], dim=2) if self.concat_shortcut else x)
+        x = query + x
+        return x + self.ffn(self.norm2(x))
+
+
+class MemoryDecoderLayer(nn.Module):
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.cross_attend = CostQueryAttention(**kwargs)
+
+
+class RelPosEmb(nn.Module):
+    """GMA's relative position embedding: constructed (and stored in checkpoints) but never called (SPEC §9.1.9)."""
+
+    def __init__(self, *, max_pos_size: int = 160, dim_head: int = 128) -> None:
+        super().__init__()
+        self.rel_height = nn.Embedding(2 * max_pos_size - 1, dim_head)
+        self.rel_width = nn.Embedding(2 * max_pos_size - 1, dim_head)
+        deltas = torch.arange(max_pos_size).view(1, -1) - torch.arange(max_pos_size).view(-1, 1)
+        self.register_buffer("rel_ind", deltas + max_pos_size - 1)
+
+
+class GMAAttention(nn.Module):
+    """Global motion attention from the context: inp [B, 128, H1, W1] -> softmax map [B, 1, H1*W1, H1*W1].
+
+    q is scaled by 128^-0.5 before the product (GMA convention). Logits and softmax run in fp32.
+    """
+
+    def __init__(self, *, dim: int = HIDDEN) -> None:
+        super().__init__()
+        self.scale = dim**-0.5
+        self.to_qk = nn.Conv2d(dim, 2 * dim, 1, bias=False)
+        self.pos_emb = RelPosEmb(dim_head=dim)
+
+    def forward(self, fmap: Tensor) -> Tensor:
+        batch, _, height, width = fmap.shape
+        q, k = self.to_qk(fmap).float().chunk(2, dim=1)
+        q = (self.scale * q).view(batch, 1, -1, height * width).transpose(-2, -1)  # [B, 1, HW, C]
+        k = k.view(batch, 1, -1, height * width)  # [B, 1, C, HW]
+        with torch.autocast(device_type=fmap.device.type, enabled=False):
+            return (q @ k).softmax(dim=-1)
+
+
+class Aggregate(nn.Module):
+    """motion [B, 128, H, W] + gamma · (attention @ to_v(motion))."""
+
+    def __init__(self, *, dim: int = HIDDEN) -> None:
+        super().__init__()
+        self.to_v = nn.Conv2d(dim, dim, 1, bias=False)
+        self.gamma = nn.Parameter(torch.zeros(1))
+
+    def forward(self, attention: Tensor, fmap: Tensor) -> Tensor:
+        batch, channels, height, width = fmap.shape
+        v = self.to_v(fmap).view(batch, 1, channels, height * width).transpose(-2, -1)  # [B, 1, HW, C]
+        out = (attention.to(v.dtype) @ v).transpose(-2, -1).reshape(batch, channels, height, width)
+        return fmap + self.gamma * out
+
+
+class MotionEncoder(nn.Module):
+    """Official `BasicMotionEncoder`: (flow [B,2,H,W], corr [B,Cc,H,W]) -> motion features [B, 128, H, W]."""
+
+    def __init__(self, *, corr_dim: int) -> None:
+        super().__init__()
+        self.convc1 = nn.Conv2d(corr_dim, 256, 1)
+        self.convc2 = nn.Conv2d(256, 192, 3, padding=1)
+        self.convf1 = nn.Conv2d(2, 128, 7, padding=3)
+        self.convf2 = nn.Conv2d(128, 64, 3, padding=1)
+        self.conv = nn.Conv2d(64 + 192, 128 - 2, 3, padding=1)
+
+    def forward(self, flow: Tensor, corr: Tensor) -> Tensor:
+        cor = F.relu(self.convc2(F.relu(self.convc1(corr))))
+        flo = F.relu(self.convf2(F.relu(self.convf1(flow))))
+        out = F.relu(self.conv(torch.cat([cor, flo], dim=1)))
+        return torch.cat([out, flow], dim=1)
+
+
+class SepConvGRU(nn.Module):
+    """GRU with a horizontal (1x5) then a vertical (5x1) pass."""
+
+    def __init__(self, *, hidden: int, input_dim: int) -> None:
+        super().__init__()
+        c = hidden + input_dim
+        self.convz1 = nn.Conv2d(c, hidden, (1, 5), padding=(0, 2))
+        self.convr1 = nn.Conv2d(c, hidden, (1, 5), padding=(0, 2))
+        self.convq1 = nn.Conv2d(c, hidden, (1, 5), padding=(0, 2))
+        self.convz2 = nn.Conv2d(c, hidden, (5, 1), padding=(2, 0))
+        self.convr2 = nn.Conv2d(c, hidden, (5, 1), padding=(2, 0))
+        self.convq2 = nn.Conv2d(c, hidden, (5, 1), padding=(2, 0))
+
+    def forward(self, h: Tensor, x: Tensor) -> Tensor:
+        for convz, convr, convq in (
+            (self.convz1, self.convr1, self.convq1),
+            (self.convz2, self.convr2, self.convq2),
+        ):
+            hx = torch.cat([h, x], dim=1)
+            z = torch.sigmoid(convz(hx))
+            r = torch.sigmoid(convr(hx))
+            q = torch.tanh(convq(torch.cat([r * h, x], dim=1)))
+            h = (1 - z) * h + z * q
+        return h
+
+
+class FlowHead(nn.Module):
+    def __init__(self, *, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(hidden, 256, 3, padding=1)
+        self.conv2 = nn.Conv2d(256, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv2(F.relu(self.conv1(x)))
+
+
+class GMAUpdateBlock(nn.Module):
+    """One refinement step: (net, inp, corr, flow, attention) -> (net, up_mask [B,576,H,W], delta [B,2,H,W])."""
+
+    def __init__(self, *, corr_dim: int) -> None:
+        super().__init__()
+        self.encoder = MotionEncoder(corr_dim=corr_dim)
+        self.gru = SepConvGRU(hidden=HIDDEN, input_dim=3 * HIDDEN)
+        self.flow_head = FlowHead()
+        self.mask = nn.Sequential(nn.Conv2d(HIDDEN, 256, 3, padding=1), nn.ReLU(), nn.Conv2d(256, 64 * 9, 1))
+        self.aggregator = Aggregate()
+
+    def forward(
+        self, net: Tensor, inp: Tensor, corr: Tensor, flow: Tensor, attention: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        motion = self.encoder(flow, corr)
+        motion_global = self.aggregator(attention, motion)
+        net = self.gru(net, torch.cat([inp, motion, motion_global], dim=1))
+        # 0.25 scales the mask logits "to balance gradients" (SPEC §1.9 step 12)
+        return net, 0.25 * self.mask(net), self.flow_head(net)
+
+
+def pretrain_head(*, query_dim: int, recon_size: int, depth: int) -> nn.Sequential:
+    """FlowFormer++ reconstruction MLP of 1x1 convs with GELU between (SPEC §5.5):
+    cost_global [B, Q, H1, W1] -> [B, recon_size², H1, W1]. depth 3 = official (Q -> 2Q -> 2Q -> r²)."""
+    if depth < 1:
+        raise ValueError(f"recon_head_depth must be >= 1, got {depth}")
+    widths = [query_dim] + [2 * query_dim] * (depth - 1) + [recon_size**2]
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        if i > 0:
+            layers.append(nn.GELU())
+        layers.append(nn.Conv2d(widths[i], widths[i + 1], 1))
+    return nn.Sequential(*layers)
+
+
+class MemoryDecoder(nn.Module):
+    """Iterative flow decoding from the cost memory (SPEC §1.9)."""
+
+    def __init__(
+        self,
+        *,
+        context_dim: int,
+        memory_dim: int,
+        query_dim: int,
+        cost_heads: int,
+        concat_shortcut: bool,
+        query_source: str,
+        recon_size: int | None,
+        recon_head_depth: int,
+    ) -> None:
+        super().__init__()
+        crop_dim = cost_heads * (2 * QUERY_RADIUS + 1) ** 2
+        self.flow_token_encoder = nn.Sequential(
+            nn.Conv2d(crop_dim, query_dim, 1), nn.GELU(), nn.Conv2d(query_dim, query_dim, 1)
+        )
+        self.proj = nn.Conv2d(context_dim, 2 * HIDDEN, 1)
+        self.decoder_layer = MemoryDecoderLayer(
+            query_dim=query_dim,
+            memory_dim=memory_dim,
+            concat_shortcut=concat_shortcut,
+            query_source=query_source,
+        )
+        self.update_block = GMAUpdateBlock(corr_dim=query_dim + crop_dim)
+        self.att = GMAAttention()
+        if recon_size is not None:
+            self.pretrain_head = pretrain_head(
+                query_dim=query_dim, recon_size=recon_size, depth=recon_head_depth
+            )
+
+    def memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
+        """cost memory [N, K, D] -> keys, values [N, K, Q], computed once per image pair."""
+        attend = self.decoder_layer.cross_attend
+        return attend.k(cost_memory), attend.v(cost_memory)
+
+    def query(self, kv: tuple[Tensor, Tensor], cost_maps: Tensor, coords: Tensor) -> tuple[Tensor, Tensor]:
+        """Cost query at coords [B, 2, H1, W1] -> (cost_global [B, Q, H1, W1], crop [B, heads*81, H1, W1])."""
+        batch, _, h1, w1 = coords.shape
+        crop = sample_cost_window(cost_maps, coords, QUERY_RADIUS)
+        query = self.flow_token_encoder(crop)
+        query = query.permute(0, 2, 3, 1).contiguous().view(batch * h1 * w1, 1, -1)  # [B*H1*W1, 1, Q]
+        cost_global = self.decoder_layer.cross_attend(query, coords, *kv)
+        return cost_global.view(batch, h1, w1, -1).permute(0, 3, 1, 2), crop
+
+    def forward(
+        self,
+        cost_memory: Tensor,
+        cost_maps: Tensor,
+        context: Tensor,
+        iters: int,
+        flow_init: Tensor | None = None,
+    ) -> list[tuple[Tensor, Tensor]]:
+        batch, _, h1, w1 = context.shape
+        coords0 = coords_grid(batch, h1, w1, device=context.device)
+        coords1 = coords0.clone()
+        if flow_init is not None:
+            if flow_init.shape != coords0.shape:
+                raise ValueError(
+                    f"flow_init must be [B, 2, H/8, W/8] = {tuple(coords0.shape)} (1/8-res pixels), "
+                    f"got {tuple(flow_init.shape)}"
+                )
+            coords1 = coords1 + flow_init
+        net, inp = torch.split(self.proj(context), [HIDDEN, HIDDEN], dim=1)
+        net, inp = torch.tanh(net), torch.relu(inp)
+        attention = self.att(inp)
+        kv = self.memory_kv(cost_memory)
+        outputs = []
+        for _ in range(iters):
+            coords1 = coords1.detach()
+            cost_global, crop = self.query(kv, cost_maps, coords1)
+            corr = torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
+            flow = coords1 - coords0
+            net, up_mask, delta = self.update_block(net, inp, corr, flow, attention)
+            coords1 = coords1 + delta.float()
+            flow_low = coords1 - coords0
+            outputs.append((upsample_flow_convex(flow_low, up_mask.float()), flow_low))
+        return outputs

@@ -1,0 +1,138 @@
+"""Image encoders: the first two stages of Twins-SVT-Large (timm) and the GMA/RAFT CNN `BasicEncoder`.
+
+Both map a normalised image [B, 3, H, W] to features [B, C, H/8, W/8].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import timm
+import torch
+from torch import Tensor, nn
+
+TWINS_DIM = 256  # channels of Twins-SVT-Large stage 2 (SPEC §1.2)
+_TWINS_DELETED = (
+    "head.",
+    "patch_embeds.2.",
+    "patch_embeds.3.",
+    "blocks.2.",
+    "blocks.3.",
+    "pos_block.2.",
+    "pos_block.3.",
+)
+
+
+class TwinsEncoder(nn.Module):
+    """Stages 0 and 1 of timm's `twins_svt_large` (SPEC §1.2): [B,3,H,W] -> [B,256,H/8,W/8].
+
+    The unused stages 2-3 and the head are deleted; `svt.norm` (LayerNorm 1024) is kept because the official
+    checkpoints contain it. `weights` is an optional local path to timm's ImageNet checkpoint; nothing is downloaded.
+    """
+
+    def __init__(self, *, weights: str | None = None) -> None:
+        super().__init__()
+        self.svt = timm.create_model("twins_svt_large", pretrained=False)
+        del self.svt.head
+        for name in ("patch_embeds", "blocks", "pos_block"):
+            del getattr(self.svt, name)[2:]
+        if weights is not None:
+            self.load_imagenet(weights)
+
+    def load_imagenet(self, path: str | Path) -> None:
+        """Load timm's ImageNet `twins_svt_large` weights from a local file, ignoring the deleted stages."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"twins_weights: no file at {path}. Point backbone.twins_weights at a local copy of timm's "
+                "twins_svt_large ImageNet checkpoint (e.g. twins_svt_large-90f6aaa9.pth) or set it to null."
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and "state_dict" in state:
+            state = state["state_dict"]
+        state = {k.removeprefix("svt."): v for k, v in state.items() if not k.startswith(_TWINS_DELETED)}
+        own = self.svt.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        mismatched = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+        if missing or unexpected or mismatched:
+            raise ValueError(
+                f"twins_weights {path} does not match twins_svt_large stages 0-1: missing={missing[:10]}, "
+                f"unexpected={unexpected[:10]}, shape-mismatched={mismatched[:10]}. Use timm's twins_svt_large "
+                "ImageNet checkpoint."
+            )
+        self.svt.load_state_dict(state, strict=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch = x.shape[0]
+        svt = self.svt
+        for embed, drop, blocks, pos_block in zip(svt.patch_embeds, svt.pos_drops, svt.blocks, svt.pos_block):
+            x, size = embed(x)  # [B, C, H, W] -> tokens [B, H'*W', C']
+            x = drop(x)
+            for j, block in enumerate(blocks):
+                x = block(x, size)
+                if j == 0:
+                    x = pos_block(x, size)  # PEG after the first (LSA) block
+            x = x.reshape(batch, *size, -1).permute(0, 3, 1, 2).contiguous()
+        return x
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convs with instance norm and a (strided) 1x1 shortcut, as in RAFT/GMA's BasicEncoder."""
+
+    def __init__(self, *, in_planes: int, planes: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, kernel_size=3, padding=1, stride=stride)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, padding=1)
+        self.norm1 = nn.InstanceNorm2d(planes)
+        self.norm2 = nn.InstanceNorm2d(planes)
+        self.relu = nn.ReLU()
+        self.downsample = None
+        if stride != 1:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_planes, planes, kernel_size=1, stride=stride), nn.InstanceNorm2d(planes)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.relu(self.norm1(self.conv1(x)))
+        y = self.relu(self.norm2(self.conv2(y)))
+        if self.downsample is not None:
+            x = self.downsample(x)
+        return self.relu(x + y)
+
+
+class BasicEncoder(nn.Module):
+    """GMA/RAFT feature encoder with instance norm (FlowFormer-small's cnet/fnet, SPEC §2.1).
+
+    conv7x7/2 (w0) -> 2 residual blocks (w0) -> 2 (w1, /2) -> 2 (w2, /2) -> conv1x1 (out_dim), with
+    widths (w0, w1, w2) = (64, 96, 128) in GMA: [B, 3, H, W] -> [B, out_dim, H/8, W/8].
+    """
+
+    def __init__(self, *, out_dim: int = 256, widths: Sequence[int] = (64, 96, 128)) -> None:
+        super().__init__()
+        if len(widths) != 3:
+            raise ValueError(f"backbone.cnn_widths must list 3 stage widths, got {list(widths)}")
+        w0, w1, w2 = widths
+        self.conv1 = nn.Conv2d(3, w0, kernel_size=7, stride=2, padding=3)
+        self.norm1 = nn.InstanceNorm2d(w0)
+        self.relu1 = nn.ReLU()
+        self.layer1 = self._stage(w0, w0, stride=1)
+        self.layer2 = self._stage(w0, w1, stride=2)
+        self.layer3 = self._stage(w1, w2, stride=2)
+        self.conv2 = nn.Conv2d(w2, out_dim, kernel_size=1)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    @staticmethod
+    def _stage(in_planes: int, planes: int, *, stride: int) -> nn.Sequential:
+        return nn.Sequential(
+            ResidualBlock(in_planes=in_planes, planes=planes, stride=stride),
+            ResidualBlock(in_planes=planes, planes=planes, stride=1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.relu1(self.norm1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.conv2(x)

@@ -1,0 +1,114 @@
+"""Small pure helpers shared by the cost encoder and the decoder: coordinates, positional code, sampling,
+attention arithmetic and convex upsampling (SPEC §1.6, §1.9)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def coords_grid(batch: int, height: int, width: int, device: torch.device | None = None) -> Tensor:
+    """Pixel coordinates [batch, 2, height, width]; channel 0 = x (column), channel 1 = y (row)."""
+    ys, xs = torch.meshgrid(
+        torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
+    )
+    coords = torch.stack([xs, ys], dim=0).float()
+    return coords[None].repeat(batch, 1, 1, 1)
+
+
+def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
+    """Sine code of (x, y) points: xy [..., 2] -> [..., dim] = [sin ωx, cos ωx, sin ωy, cos ωy].
+
+    ω_k = 3.14 · k / 200 for k = 0..dim/4-1: the literal 3.14 and the /200 factor are the official constants
+    (SPEC §1.6, §9.1.7). The multiplication order mirrors the official code so fp32 rounding matches.
+    """
+    if dim % 4 != 0:
+        raise ValueError(f"positional-code dim must be a multiple of 4, got {dim}")
+    freq = torch.linspace(0, dim // 4 - 1, dim // 4, device=xy.device)
+    x, y = xy[..., 0:1], xy[..., 1:2]
+    scale = 1 / 200
+    return torch.cat(
+        [
+            torch.sin(3.14 * x * freq * scale),
+            torch.cos(3.14 * x * freq * scale),
+            torch.sin(3.14 * y * freq * scale),
+            torch.cos(3.14 * y * freq * scale),
+        ],
+        dim=-1,
+    )
+
+
+def bilinear_sample(maps: Tensor, coords: Tensor) -> Tensor:
+    """maps [N, C, H, W], coords [N, h, w, 2] (x, y) pixels -> [N, C, h, w].
+
+    `grid_sample` with align_corners=True and zero padding, coordinates normalised as 2x/(W-1) - 1 (SPEC §10.3).
+    """
+    height, width = maps.shape[-2:]
+    x, y = coords.split([1, 1], dim=-1)
+    x = 2 * x / (width - 1) - 1
+    y = 2 * y / (height - 1) - 1
+    return F.grid_sample(maps, torch.cat([x, y], dim=-1), align_corners=True)
+
+
+def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor:
+    """Bilinear (2r+1)^2 crop of each source pixel's cost map around its target position.
+
+    cost_maps [B*H1*W1, heads, H2, W2], coords [B, 2, H1, W1] (x, y) -> [B, heads*(2r+1)^2, H1, W1].
+    Channel order is the official x-major one: channel = head·(2r+1)² + (dx+r)·(2r+1) + (dy+r) (SPEC §9.1.2).
+    """
+    batch, _, h1, w1 = coords.shape
+    if cost_maps.shape[0] != batch * h1 * w1:
+        raise ValueError(
+            f"sample_cost_window: cost_maps has {cost_maps.shape[0]} rows, expected B*H1*W1 = {batch * h1 * w1} "
+            f"for coords of shape {tuple(coords.shape)}"
+        )
+    offsets = torch.linspace(-radius, radius, 2 * radius + 1, device=coords.device)
+    # offsets[i, j] = (i - r, j - r) read as (x, y): the row index of the window is the x offset.
+    delta = torch.stack(torch.meshgrid(offsets, offsets, indexing="ij"), dim=-1)
+    centre = coords.permute(0, 2, 3, 1).reshape(batch * h1 * w1, 1, 1, 2)
+    window = bilinear_sample(cost_maps, centre + delta.view(1, 2 * radius + 1, 2 * radius + 1, 2))
+    # window [B*H1*W1, heads, 2r+1, 2r+1] -> [B, heads*(2r+1)^2, H1, W1]
+    return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
+
+
+def multi_head_attention(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:
+    """q [N, Lq, C] (or [1, Lq, C], broadcast), k [N, Lk, C], v [N, Lk, Cv] -> [N, Lq, Cv].
+
+    Softmax((q kᵀ)·(C/heads)^-0.5) v, scale applied after the product as in the official layers.
+    """
+    n, lk, c = k.shape
+    scale = (c / heads) ** -0.5
+    qh = q.reshape(q.shape[0], q.shape[1], heads, -1).transpose(1, 2)
+    kh = k.reshape(n, lk, heads, -1).transpose(1, 2)
+    vh = v.reshape(n, lk, heads, -1).transpose(1, 2)
+    attn = (torch.matmul(qh, kh.transpose(-2, -1)) * scale).softmax(dim=-1)
+    out = torch.matmul(attn, vh)  # [N, heads, Lq, Cv/heads]
+    return out.transpose(1, 2).reshape(n, q.shape[1], -1)
+
+
+def upsample_flow_convex(flow: Tensor, mask: Tensor) -> Tensor:
+    """Convex 8x upsampling: flow [B, 2, H, W] (1/8 pixels), mask [B, 9*64, H, W] -> [B, 2, 8H, 8W] pixels."""
+    batch, _, height, width = flow.shape
+    weights = torch.softmax(mask.view(batch, 1, 9, 8, 8, height, width), dim=2)
+    neighbours = F.unfold(8 * flow, [3, 3], padding=1).view(batch, 2, 9, 1, 1, height, width)
+    up = torch.sum(weights * neighbours, dim=2)  # [B, 2, 8, 8, H, W]
+    return up.permute(0, 1, 4, 2, 5, 3).reshape(batch, 2, 8 * height, 8 * width)
+
+
+class Mlp(nn.Module):
+    """fc1 -> GELU -> fc2 (the Twins-style block MLP; key names fc1/fc2 as timm's)."""
+
+    def __init__(self, *, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def feed_forward(dim: int) -> nn.Sequential:
+    """Linear -> GELU -> Linear at width 1x (SPEC §1.7). Identity slots keep the official indices ffn.0/ffn.3."""
+    return nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Identity(), nn.Linear(dim, dim), nn.Identity())

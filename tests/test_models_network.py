@@ -1,0 +1,207 @@
+"""The tiny network's output contract, stages, batch independence, warm start, bf16 and input validation."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flowformer.models import FlowFormer, TokenMask, sample_cost_window
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "backbone"
+H, W = 64, 96
+
+
+def build(name: str = "tiny", **overrides) -> FlowFormer:
+    cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+    assert cfg.pop("_target_") == "flowformer.models.FlowFormer"
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    net = FlowFormer(**cfg)
+    with torch.no_grad():  # GMA's gamma starts at 0, which would switch global aggregation off in every test
+        net.memory_decoder.update_block.aggregator.gamma.fill_(0.5)
+    return net
+
+
+def images(batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    image1 = torch.rand(batch, 3, H, W, generator=g) * 255
+    image2 = torch.roll(image1, shifts=(1, 2), dims=(2, 3))
+    return image1, image2
+
+
+@pytest.fixture(scope="module")
+def tiny() -> FlowFormer:
+    return build().eval()
+
+
+def test_eval_output_contract(tiny: FlowFormer) -> None:
+    with torch.no_grad():
+        out = tiny(*images(), iters=2)
+    assert set(out) == {"flow", "flow_low"}
+    assert out["flow"].shape == (1, 2, H, W)
+    assert out["flow_low"].shape == (1, 2, H // 8, W // 8)
+    assert torch.isfinite(out["flow"]).all()
+
+
+def test_train_mode_returns_every_iteration_and_backpropagates() -> None:
+    net = build().train()
+    out = net(*images(), iters=3)
+    assert len(out["flow_predictions"]) == 3
+    assert all(f.shape == (1, 2, H, W) for f in out["flow_predictions"])
+    assert torch.equal(out["flow_predictions"][-1], out["flow"])
+    sum(f.abs().mean() for f in out["flow_predictions"]).backward()
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    assert "memory_encoder.cost_perceiver_encoder.latent_tokens" in grads
+    assert "context_encoder.conv1.weight" in grads
+
+
+def test_stages_compose_to_forward(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        feat1, feat2, context = tiny.encode_images(image1, image2)
+        cost_maps = tiny.cost_volume(feat1, feat2)
+        assert cost_maps.shape == (H // 8 * W // 8, 1, H // 8, W // 8) and cost_maps.dtype == torch.float32
+        # row y1*W1+x1 of the cost maps holds <feat1[:, y1, x1], feat2[:, y2, x2]> at (y2, x2)
+        assert torch.allclose(
+            cost_maps[1 * 12 + 5, 0, 3, 7], (feat1[0, :, 1, 5] * feat2[0, :, 3, 7]).sum(), atol=1e-4
+        )
+        memory = tiny.encode_cost(cost_maps, context)
+        assert memory.shape == (H // 8 * W // 8, 4, 32)
+        steps = tiny.decode(memory, cost_maps, context, iters=2)
+        full = tiny(image1, image2, iters=2)
+    assert torch.equal(steps[-1][0], full["flow"]) and torch.equal(steps[-1][1], full["flow_low"])
+
+
+def test_batch_of_two_equals_two_batches_of_one() -> None:
+    """SPEC §9.1.1: the official FlowFormer pairs the wrong context with the cost tokens when B > 1."""
+    net = build("tiny", variant="flowformer").eval()
+    a1, a2 = images(seed=1)
+    b1, b2 = images(seed=2)
+    with torch.no_grad():
+        both = net(torch.cat([a1, b1]), torch.cat([a2, b2]), iters=2)["flow"]
+        one = torch.cat([net(a1, a2, iters=2)["flow"], net(b1, b2, iters=2)["flow"]])
+    assert (both - one).abs().max() < 1e-4
+    assert (one[0] - one[1]).abs().max() > 1e-2  # the two pairs really differ
+
+
+def test_warm_start_changes_the_result(tiny: FlowFormer) -> None:
+    with torch.no_grad():
+        cold = tiny(*images(), iters=1)["flow_low"]
+        init = torch.full((1, 2, H // 8, W // 8), 1.5)
+        warm = tiny(*images(), iters=1, flow_init=init)["flow_low"]
+        zero = tiny(*images(), iters=1, flow_init=torch.zeros_like(init))["flow_low"]
+    assert torch.equal(cold, zero)
+    assert (warm - cold).abs().mean() > 0.5  # the 1/8 flow starts from flow_init, not from zero
+    with pytest.raises(ValueError, match="flow_init"):
+        tiny(*images(), iters=1, flow_init=torch.zeros(1, 2, 3, 3))
+
+
+@pytest.mark.parametrize("size", [(60, 96), (64, 90)])
+def test_size_not_multiple_of_8_names_the_padding(tiny: FlowFormer, size: tuple[int, int]) -> None:
+    image = torch.zeros(1, 3, *size)
+    with pytest.raises(ValueError, match=r"pad by (4 rows and 0 columns|0 rows and 6 columns)"):
+        tiny(image, image)
+
+
+def test_bf16_autocast_on_cpu_stays_close_to_fp32(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        ref = tiny(image1, image2, iters=2)["flow"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            feat1, feat2, _ = tiny.encode_images(image1, image2)
+            assert tiny.cost_volume(feat1, feat2).dtype == torch.float32  # fp32 island
+            low = tiny(image1, image2, iters=2)["flow"]
+    assert low.dtype == torch.float32
+    diff = (low - ref).abs()
+    assert diff.max() < 0.5 and diff.mean() < 0.05, (diff.max(), diff.mean())
+
+
+def test_sample_cost_window_is_x_major() -> None:
+    """SPEC §9.1.2: channel (dx+r)*(2r+1) + (dy+r); integer centres sample the map exactly."""
+    h1, w1 = 5, 6
+    maps = torch.arange(h1 * w1 * h1 * w1, dtype=torch.float32).view(h1 * w1, 1, h1, w1)
+    coords = torch.zeros(1, 2, h1, w1)
+    coords[:, 0], coords[:, 1] = 2.0, 3.0  # every source pixel looks at target (x=2, y=3)
+    crop = sample_cost_window(maps, coords, radius=1)
+    assert crop.shape == (1, 9, h1, w1)
+    src = 7  # source pixel (y1=1, x1=1)
+    for dx in (-1, 0, 1):
+        for dy in (-1, 0, 1):
+            channel = (dx + 1) * 3 + (dy + 1)
+            assert crop[0, channel, 1, 1] == maps[src, 0, 3 + dy, 2 + dx]
+    far = sample_cost_window(maps, torch.full((1, 2, h1, w1), 50.0), radius=1)
+    assert torch.equal(far, torch.zeros_like(far))  # zero padding outside the map
+
+
+def test_token_mask_hides_removed_patches_from_the_cost_encoder(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        feat1, feat2, context = tiny.encode_images(image1, image2)
+        cost_maps = tiny.cost_volume(feat1, feat2)
+        n, tokens = cost_maps.shape[0], 2  # 8x12 maps pad to 8x16 -> 1x2 patch tokens
+        noise = torch.rand(n, tokens, generator=torch.Generator().manual_seed(0))
+        mask = TokenMask.from_noise(noise, mask_ratio=0.5)
+        masked = tiny.encode_cost(cost_maps, context, token_mask=mask)
+        # changing the cost values inside removed patches must not change the memory
+        removed = (
+            mask.removed.view(n, 1, 1, 2).repeat_interleave(8, dim=2).repeat_interleave(8, dim=3)[..., :12]
+        )
+        noisy = cost_maps + 100.0 * removed * torch.randn_like(cost_maps)
+        assert torch.allclose(tiny.encode_cost(noisy, context, token_mask=mask), masked, atol=1e-4)
+        assert not torch.allclose(tiny.encode_cost(cost_maps, context), masked, atol=1e-3)
+        with pytest.raises(ValueError, match="TokenMask.removed"):
+            tiny.encode_cost(cost_maps, context, token_mask=TokenMask.from_noise(torch.rand(n, 5), 0.4))
+
+
+def test_query_cost_memory_and_pretrain_head_shapes(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        feat1, feat2, context = tiny.encode_images(image1, image2)
+        cost_maps = tiny.cost_volume(feat1, feat2)
+        memory = tiny.encode_cost(cost_maps, context)
+        coords = torch.rand(1, 2, H // 8, W // 8) * 4 + 2
+        cost_global = tiny.query_cost_memory(memory, cost_maps, coords)
+        assert cost_global.shape == (1, 32, H // 8, W // 8)
+        assert tiny.pretrain_head(cost_global).shape == (1, 225, H // 8, W // 8)
+    assert [type(m).__name__ for m in tiny.feature_encoder_modules()] == ["BasicEncoder"]
+    assert tiny.context_encoder_modules() == [tiny.context_encoder]
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_recon_head_depth(depth: int) -> None:
+    head = build(recon_head_depth=depth, recon_size=7).pretrain_head
+    convs = [m for m in head if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == depth and convs[-1].out_channels == 49
+    assert sum(isinstance(m, torch.nn.GELU) for m in head) == depth - 1
+
+
+@pytest.mark.parametrize(("query", "depends_on_crop"), [("pe", False), ("crop_and_pe", True)])
+def test_decoder_query_source(query: str, depends_on_crop: bool) -> None:
+    """decoder_query="pe" (MCVA ablation): the attention read-out ignores the crop feature."""
+    net = build(decoder_query=query).eval()
+    attend = net.memory_decoder.decoder_layer.cross_attend
+    memory = torch.randn(H // 8 * W // 8, 4, 32)
+    kv = net.memory_decoder.memory_kv(memory)
+    coords = torch.rand(1, 2, H // 8, W // 8) * 4 + 2
+    seen = []
+    handle = attend.proj.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
+    with torch.no_grad():
+        for _ in range(2):
+            attend(torch.randn(H // 8 * W // 8, 1, 32), coords, *kv)
+    handle.remove()
+    assert torch.allclose(seen[0], seen[1]) != depends_on_crop
+
+
+def test_decoder_query_rejects_unknown_source() -> None:
+    with pytest.raises(ValueError, match="decoder_query"):
+        build(decoder_query="flow")
+
+
+def test_bad_settings_raise_clear_errors() -> None:
+    with pytest.raises(ValueError, match="variant"):
+        FlowFormer(variant="raft")
+    with pytest.raises(ValueError, match="feature_dim must be 256"):
+        FlowFormer(image_encoder="twins", feature_dim=64)
+    with pytest.raises(FileNotFoundError, match="twins_weights"):
+        FlowFormer(image_encoder="twins", twins_weights="/nonexistent/twins.pth")
