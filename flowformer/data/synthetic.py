@@ -82,8 +82,10 @@ def _multiscale_noise(
     )
     weight_sq = float(cell)
     while cell > finest_cell:
-        total = F.interpolate(total, scale_factor=2.0, mode="bilinear", align_corners=False)
         cell //= 2
+        # Upsample 2x and keep only the grid rows/columns that cover the image at this cell size.
+        total = F.interpolate(total, scale_factor=2.0, mode="bilinear", align_corners=False)
+        total = total[:, :, : height // cell + 2, : width // cell + 2]
         total += math.sqrt(cell) * torch.randn(total.shape, generator=gen)
         weight_sq += cell
     total = F.interpolate(total, scale_factor=float(cell), mode="bilinear", align_corners=False)
