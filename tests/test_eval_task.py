@@ -3,15 +3,19 @@
 import json
 from pathlib import Path
 
+import cv2
 import hydra
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.utils.data import Dataset
 
+from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.eval.padding import InputPadder
 from flowformer.metrics import FlowMetrics
+from flowformer.models import save_backbone
 from flowformer.tasks.eval import Protocol, evaluate_set, format_table, predict_flow, run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -108,8 +112,6 @@ def test_protocol_from_config_and_table() -> None:
 
 def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None:
     """task=eval composed by Hydra: loads our checkpoint, evaluates, writes JSON; plain and tiled."""
-    from flowformer.models import save_backbone
-
     overrides = [
         "task=eval",
         "backbone=tiny",
@@ -148,3 +150,36 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None
     tiled = run(tiled_cfg)
     assert tiled == pytest.approx(json.loads((tmp_path / "t.json").read_text())["results"]["synthetic"]["epe"])
     assert tiled > 0 and tiled != pytest.approx(value, rel=1e-6)  # 4 tiles of 64x96 instead of one padded pass
+
+
+def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path) -> None:
+    """Test splits (no flow) go through DATA-A's writers: Sintel .flo tree and KITTI 16-bit PNGs."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for name in ("frame_0001.png", "frame_0002.png", "frame_0003.png"):
+        path = data / "Sintel" / "test" / "clean" / "alley_9" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(path), rng.integers(0, 256, (36, 60, 3), dtype=np.uint8))
+    for name in ("000000_10.png", "000000_11.png"):
+        path = data / "KITTI" / "testing" / "image_2" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(path), rng.integers(0, 256, (20, 44, 3), dtype=np.uint8))
+    overrides = [
+        "task=eval",
+        "backbone=tiny",
+        "eval.sets=[sintel_test_clean,kitti_test]",
+        "eval.num_workers=0",
+        f"paths.data_dir={data}",
+        f"paths.output_dir={tmp_path / 'out'}",
+        "eval.benchmarks.sintel_test_clean.iters=1",
+        "eval.benchmarks.kitti_test.iters=1",
+    ]
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    assert run(cfg) is None  # nothing to score on test splits
+    submission = tmp_path / "out" / "submission"
+    flows = sorted(p.relative_to(submission).as_posix() for p in submission.rglob("*.flo"))
+    assert flows == ["sintel/clean/alley_9/frame0001.flo", "sintel/clean/alley_9/frame0002.flo"]
+    assert read_flo(submission / flows[0]).shape == (36, 60, 2)  # unpadded back to the image size
+    flow, valid = read_kitti_flow(submission / "kitti" / "000000_10.png")
+    assert flow.shape == (20, 44, 2) and valid.all()

@@ -174,7 +174,8 @@ def evaluate_set(
     submission_dir: Path | None = None,
 ) -> dict[str, float]:
     """Runs `net` (eval mode, B = 1 as the official scripts) over `dataset` and returns the set's metrics
-    (an empty dict for submission sets, which write files to `submission_dir` instead)."""
+    (an empty dict for submission sets, which write `submission_dir`/sintel/<pass>/<scene>/frame%04d.flo or
+    `submission_dir`/kitti/<frame_id> instead, SPEC §7.4)."""
     is_submission = protocol.kind.endswith("_submission")
     if is_submission and submission_dir is None:
         raise ValueError(f"eval set {protocol.name} writes a submission; set eval.submission_dir")
@@ -206,7 +207,8 @@ def evaluate_set(
                 deduplicate_tiles=deduplicate_tiles,
             )
         if write_item is not None:
-            write_item(submission_dir, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
+            family = protocol.kind.removesuffix("_submission")
+            write_item(submission_dir / family, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
         else:
             if "flow" not in item:
                 raise ValueError(
