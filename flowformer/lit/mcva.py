@@ -1,0 +1,262 @@
+"""MCVA pretraining of the shared FlowFormer backbone on unlabeled image pairs (FlowFormer++, SPEC §5)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from flowformer.lit.flow import build_backbone, check_finite, plain_backbone_config
+from flowformer.lit.optim import adamw_onecycle
+from flowformer.models.mcva import (
+    CostMaskGenerator,
+    MaskingStrategy,
+    MCVAOutput,
+    NormalizedSide,
+    ReconLocation,
+    mcva_forward,
+)
+
+log = logging.getLogger(__name__)
+
+PANEL_ZOOM = 8  # nearest-neighbour magnification of the logged patches and masks
+
+
+def patch_panel(predictions: Tensor, targets: Tensor, *, num_pixels: int = 4) -> np.ndarray:
+    """Target next to prediction for a few source pixels of sample 0 -> uint8 [rows*S*z, (2S+1)*z, 3].
+
+    predictions, targets [B, S^2, H1, W1] with the official x-major window layout (channel k = i*S + j, i the
+    x offset, j the y offset; SPEC §9.1.2), so each patch is shown transposed to (y, x). Every patch is scaled
+    to its own min..max (the two sides may live on different scales when the prediction side is normalised).
+    """
+    _, channels, h1, w1 = targets.shape
+    size = round(channels**0.5)
+    rows = []
+    for i in range(num_pixels):
+        y, x = (i + 1) * h1 // (num_pixels + 1), (i + 1) * w1 // (num_pixels + 1)
+        pair = []
+        for values in (targets[0, :, y, x], predictions[0, :, y, x]):
+            patch = values.float().reshape(size, size).T  # [x, y] -> [y, x]
+            patch = (patch - patch.min()) / (patch.max() - patch.min()).clamp_min(1e-12)
+            pair.append(patch)
+        gap = torch.ones(size, 1)
+        rows.append(torch.cat([pair[0], gap, pair[1]], dim=1))
+    grey = torch.cat(rows, dim=0).repeat_interleave(PANEL_ZOOM, 0).repeat_interleave(PANEL_ZOOM, 1)
+    return (grey.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(-1).expand(-1, -1, 3).cpu().numpy()
+
+
+def mask_panel(removed: Tensor, h1: int, w1: int) -> np.ndarray:
+    """Block mask of sample 0 -> uint8 [H1*z, W1*z, 3]: each source pixel is coloured by a fixed random
+    projection of its removed-token vector, so pixels that share a mask (one block) share a colour."""
+    pattern = removed[: h1 * w1].float().cpu()  # [H1*W1, L], 1 = removed
+    palette = torch.rand(pattern.shape[1], 3, generator=torch.Generator().manual_seed(0))
+    colour = pattern @ palette
+    colour = (colour - colour.min(0).values) / (colour.max(0).values - colour.min(0).values).clamp_min(1e-12)
+    image = colour.reshape(h1, w1, 3).repeat_interleave(PANEL_ZOOM, 0).repeat_interleave(PANEL_ZOOM, 1)
+    return (image * 255).to(torch.uint8).numpy()
+
+
+class MCVAPretrainModule(L.LightningModule):
+    """Masked Cost Volume Autoencoding: the cost encoder, the decoder's cost query and the reconstruction head
+    learn to rebuild S x S cost-map windows around random locations from a masked cost volume.
+
+    backbone: a FlowFormer with variant="flowformer_pp" (it has `pretrain_head`), or its config mapping.
+    lr, weight_decay, total_steps, pct_start: AdamW + linear OneCycle (SPEC §5.6); total_steps None takes
+        trainer.max_steps + 100 as the official loop does. Gradient clipping 1.0 comes from the trainer config.
+    masking, mask_ratio, min_block, max_block: the cost-volume mask (SPEC §5.2); exactly
+        int(L * (1 - mask_ratio)) of the L patch tokens per source pixel stay visible.
+    recon_location: "random" (the method) or "fixed" (MAE-style: each source pixel's own position).
+    query_num: query rounds per step; the loss is their sum (SPEC §5.5).
+    normalize: "target" (the official code) or "prediction" (the paper's equation).
+    freeze_image_encoder, freeze_context_encoder: frozen modules get requires_grad=False and stay in eval mode.
+    log_images_every_n_steps: pictures of target/prediction patches and of the block mask (0 = never); they go
+        to every logger with an image API (`log_image`, or TensorBoard's `experiment.add_image`).
+    """
+
+    def __init__(
+        self,
+        *,
+        backbone: nn.Module | Mapping[str, Any],
+        lr: float = 5e-4,
+        weight_decay: float = 1e-5,
+        total_steps: int | None = None,
+        pct_start: float = 0.05,
+        masking: MaskingStrategy = "block",
+        mask_ratio: float = 0.5,
+        min_block: int = 4,
+        max_block: int = 15,
+        recon_location: ReconLocation = "random",
+        query_num: int = 30,
+        normalize: NormalizedSide = "target",
+        freeze_image_encoder: bool = True,
+        freeze_context_encoder: bool = True,
+        log_images_every_n_steps: int = 500,
+        num_logged_patches: int = 4,
+    ) -> None:
+        super().__init__()
+        if query_num < 1:
+            raise ValueError(f"model.query_num={query_num}: expected at least one query round per step.")
+        if normalize not in ("target", "prediction"):
+            raise ValueError(f"model.normalize={normalize!r}: expected 'target' or 'prediction'.")
+        if recon_location not in ("random", "fixed"):
+            raise ValueError(f"model.recon_location={recon_location!r}: expected 'random' or 'fixed'.")
+        self.save_hyperparameters(
+            {
+                "backbone": plain_backbone_config(backbone),
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "total_steps": total_steps,
+                "pct_start": pct_start,
+                "masking": masking,
+                "mask_ratio": mask_ratio,
+                "min_block": min_block,
+                "max_block": max_block,
+                "recon_location": recon_location,
+                "query_num": query_num,
+                "normalize": normalize,
+                "freeze_image_encoder": freeze_image_encoder,
+                "freeze_context_encoder": freeze_context_encoder,
+                "log_images_every_n_steps": log_images_every_n_steps,
+                "num_logged_patches": num_logged_patches,
+            }
+        )
+        self.backbone = build_backbone(backbone)
+        if not hasattr(self.backbone, "pretrain_head"):
+            raise ValueError(
+                "model=mcva needs a backbone with the reconstruction head: use a flowformer_pp variant "
+                "(backbone=flowformer_pp, or backbone=tiny / small with backbone.variant=flowformer_pp)."
+            )
+        self.mask_generator = CostMaskGenerator(
+            strategy=masking, mask_ratio=mask_ratio, min_block=min_block, max_block=max_block
+        )
+        self.frozen_modules: list[nn.Module] = []
+        if freeze_image_encoder:
+            self.frozen_modules += list(self.backbone.feature_encoder_modules())
+        if freeze_context_encoder:
+            self.frozen_modules += list(self.backbone.context_encoder_modules())
+        for module in self.frozen_modules:
+            module.requires_grad_(False)
+        log.info(
+            "MCVA: %d trainable backbone parameters (frozen: image encoder=%s, context encoder=%s)",
+            sum(p.numel() for p in self.backbone.parameters() if p.requires_grad),
+            freeze_image_encoder,
+            freeze_context_encoder,
+        )
+
+    def train(self, mode: bool = True) -> MCVAPretrainModule:
+        """Frozen encoders stay in eval mode, so a CNN encoder's BatchNorm statistics stay frozen too."""
+        super().train(mode)
+        for module in self.frozen_modules:
+            module.eval()
+        return self
+
+    def pretrain_step(
+        self,
+        image1: Tensor,
+        image2: Tensor,
+        *,
+        mask_noise: Tensor | None = None,
+        query_uniform: Tensor | None = None,
+        keep_rounds: int = 0,
+    ) -> MCVAOutput:
+        """The MCVA objective on images [B, 3, H, W] in 0..255 (H, W multiples of 8).
+
+        mask_noise [B, H/8, W/8, L] and query_uniform [query_num, B, 2, H/8, W/8] replay recorded draws; each
+        one left None is drawn here (the mask on the CPU torch RNG, the locations on the images' device, as
+        torch.rand(B, 2, H1, W1) once per round like the official decoder).
+        """
+        batch, _, height, width = image1.shape
+        if height % 8 or width % 8:
+            raise ValueError(
+                f"MCVA pretraining needs image sides that are multiples of 8, got {height}x{width}; "
+                "crop the pretraining data (data.crop_size) to multiples of 8."
+            )
+        h1, w1 = height // 8, width // 8
+        hp = self.hparams
+        if mask_noise is None:
+            mask_noise = self.mask_generator.noise(batch, h1, w1)
+        if query_uniform is None and hp.recon_location == "random":
+            query_uniform = torch.stack(
+                [torch.rand(batch, 2, h1, w1, device=image1.device) for _ in range(hp.query_num)]
+            )
+        return mcva_forward(
+            self.backbone,
+            image1,
+            image2,
+            mask_noise=mask_noise,
+            query_uniform=query_uniform,
+            mask_generator=self.mask_generator,
+            recon_location=hp.recon_location,
+            query_num=hp.query_num,
+            normalize=hp.normalize,
+            keep_rounds=keep_rounds,
+        )
+
+    def _should_log_images(self) -> bool:
+        every = self.hparams.log_images_every_n_steps
+        return bool(every) and self.global_step % every == 0 and any(_image_api(lg) for lg in self.loggers)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        image1, image2 = batch["img1"], batch["img2"]
+        log_images = self._should_log_images()
+        output = self.pretrain_step(image1, image2, keep_rounds=1 if log_images else 0)
+        check_finite(output.loss.detach(), "MCVA loss", self.global_step)
+        batch_size = image1.shape[0]
+        self.log("train/loss", output.loss, prog_bar=True, batch_size=batch_size)
+        self.log("train/loss_per_round", output.loss.detach() / self.hparams.query_num, batch_size=batch_size)
+        self.log("train/visible_ratio", output.token_mask.visible_ratio, batch_size=batch_size)
+        if self._trainer is not None and self.trainer.optimizers:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
+        if log_images:
+            h1, w1 = image1.shape[-2] // 8, image1.shape[-1] // 8
+            self._log_images(
+                {
+                    "train/recon_patches": patch_panel(
+                        output.predictions[0], output.targets[0], num_pixels=self.hparams.num_logged_patches
+                    ),
+                    "train/block_mask": mask_panel(output.token_mask.removed, h1, w1),
+                }
+            )
+        return output.loss
+
+    def _log_images(self, images: dict[str, np.ndarray]) -> None:
+        for logger in self.loggers:
+            api = _image_api(logger)
+            if api == "log_image":
+                for key, image in images.items():
+                    logger.log_image(key=key, images=[image], step=self.global_step)
+            elif api == "add_image":
+                for key, image in images.items():
+                    logger.experiment.add_image(key, image, self.global_step, dataformats="HWC")
+
+    def configure_optimizers(self) -> dict:
+        total_steps = self.hparams.total_steps
+        if total_steps is None:
+            max_steps = self.trainer.max_steps
+            if max_steps is None or max_steps < 1:
+                raise ValueError(
+                    "model.total_steps is null, so it is derived from trainer.max_steps + 100, but "
+                    f"trainer.max_steps is {max_steps}; set trainer.max_steps (or model.total_steps)"
+                )
+            total_steps = max_steps + 100
+        return adamw_onecycle(
+            self.backbone.parameters(),
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+            total_steps=total_steps,
+            pct_start=self.hparams.pct_start,
+        )
+
+
+def _image_api(logger: Any) -> str | None:
+    """'log_image' (wandb-style loggers), 'add_image' (TensorBoard) or None (no image support, e.g. CSV)."""
+    if callable(getattr(logger, "log_image", None)):
+        return "log_image"
+    if callable(getattr(getattr(logger, "experiment", None), "add_image", None)):
+        return "add_image"
+    return None
