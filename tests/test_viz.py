@@ -129,3 +129,12 @@ def test_write_flow_image(tmp_path: Path) -> None:
     path = tmp_path / "vis" / "flow.png"
     write_flow_image(path, flow)
     np.testing.assert_array_equal(read_image(path), flow_to_color(flow))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_colours_on_gpu_match_cpu() -> None:
+    flow = torch.randn(2, 2, 16, 24) * 4
+    on_gpu = flow_to_color(flow.cuda())
+    assert on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.cpu(), flow_to_color(flow))
