@@ -104,6 +104,8 @@ def test_predict_flow_tiling_needs_a_tile_size() -> None:
 def test_protocol_from_config_and_table() -> None:
     with pytest.raises(ValueError, match="kind"):
         Protocol.from_config("x", {"kind": "middlebury"})
+    with pytest.raises(ValueError, match="tile_szie"):
+        Protocol.from_config("x", {"kind": "flow", "tile_szie": [8, 8]})
     protocol = Protocol.from_config("kitti", {"kind": "kitti", "iters": 24, "tile_size": [376, 720]})
     assert protocol.tile_size == (376, 720) and protocol.pad_mode == "sintel"
     table = format_table({"sintel_clean": {"epe": 1.0, "s40+": float("nan")}, "kitti": {"epe_per_image": 2.0}})

@@ -27,7 +27,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 KINDS = ("sintel", "kitti", "flow", "sintel_submission", "kitti_submission")
 # the value a sweeper gets back and the table sorts by: official kitti-epe is per image (SPEC §7.1)
 HEADLINE = {"sintel": "epe", "flow": "epe", "kitti": "epe_per_image"}
+PROTOCOL_KEYS = {"kind", "iters", "pad_mode", "tile_size", "tile_pad_mode", "dataset"}
 KITTI_NOTE = "kitti: official kitti-epe = epe_per_image (per-image mean), kitti-f1 = f1_all_pooled (per pixel)"
 
 
@@ -63,6 +64,11 @@ class Protocol:
 
     @classmethod
     def from_config(cls, name: str, node: Mapping[str, Any]) -> Protocol:
+        unknown = sorted(set(node) - PROTOCOL_KEYS)
+        if unknown:
+            raise ValueError(
+                f"eval.benchmarks.{name} has unknown keys {unknown}; expected {sorted(PROTOCOL_KEYS)}"
+            )
         kind = node.get("kind")
         if kind not in KINDS:
             raise ValueError(f"eval.benchmarks.{name}.kind={kind!r}: expected one of {', '.join(KINDS)}")
@@ -291,7 +297,7 @@ def run(cfg: DictConfig) -> float | None:
             num_workers=settings.num_workers,
             submission_dir=submission_dir,
         )
-        protocols[name] = {**protocol.__dict__, "tile": bool(settings.tile), "pairs": len(dataset)}
+        protocols[name] = {**asdict(protocol), "tile": bool(settings.tile), "pairs": len(dataset)}
 
     table = format_table(results)
     print(table)
