@@ -38,14 +38,14 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from flowformer.eval.padding import InputPadder
-from flowformer.eval.tiling import tiled_flow
+from flowformer.eval.tiling import FlowFn, tiled_flow
 from flowformer.metrics import FlowMetrics, KittiMetrics, SpeedBinnedEPE
 from flowformer.tasks.bench import autocast_context, pick_device
 
 log = logging.getLogger(__name__)
 
 KINDS = ("sintel", "kitti", "flow", "sintel_submission", "kitti_submission")
-# the value a sweeper gets back and the table sorts by: official kitti-epe is per image (SPEC §7.1)
+# the value run() returns for sweepers, per kind: the official kitti-epe is per image (SPEC §7.1)
 HEADLINE = {"sintel": "epe", "flow": "epe", "kitti": "epe_per_image"}
 PROTOCOL_KEYS = {"kind", "iters", "pad_mode", "tile_size", "tile_pad_mode", "dataset"}
 KITTI_NOTE = "kitti: official kitti-epe = epe_per_image (per-image mean), kitti-f1 = f1_all_pooled (per pixel)"
@@ -81,9 +81,6 @@ class Protocol:
             tile_size=None if tile is None else (int(tile[0]), int(tile[1])),
             tile_pad_mode=node.get("tile_pad_mode"),
         )
-
-
-FlowFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def predict_flow(
