@@ -185,3 +185,26 @@ def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path) -> None:
     assert read_flo(submission / flows[0]).shape == (36, 60, 2)  # unpadded back to the image size
     flow, valid = read_kitti_flow(submission / "kitti" / "000000_10.png")
     assert flow.shape == (20, 44, 2) and valid.all()
+
+
+@pytest.mark.parametrize("preset", ["flowformer", "flowformer_pp"])
+def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
+    """SPEC §7.2-7.3, §9.1.10: iterations, padding and tile protocols per set and variant."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=["task=eval", f"eval={preset}"])
+    sets = {name: Protocol.from_config(name, node) for name, node in cfg.eval.benchmarks.items()}
+    ff = preset == "flowformer"
+    assert cfg.eval.sigma == 0.05 and cfg.eval.min_overlap == 20 and cfg.eval.precision == "32-true"
+    for name in ("sintel_clean", "sintel_final", "sintel_test_clean", "sintel_test_final"):
+        assert sets[name].iters == (32 if ff else 12)
+        assert (sets[name].pad_mode, sets[name].tile_size, sets[name].tile_pad_mode) == ("sintel", (432, 960), None)
+    kitti = sets["kitti"]
+    assert kitti.kind == "kitti" and kitti.iters == (24 if ff else 12) and kitti.pad_mode == "sintel"
+    assert (kitti.tile_size, kitti.tile_pad_mode) == (((376, 720), "kitti376") if ff else ((288, 960), None))
+    test = sets["kitti_test"]
+    assert (test.kind, test.iters, test.tile_size, test.tile_pad_mode) == (
+        "kitti_submission",
+        24 if ff else 12,
+        (432, 960),
+        "kitti432",
+    )
