@@ -44,11 +44,21 @@ def run_task(cfg: DictConfig) -> float | None:
     module = importlib.import_module(f"flowformer.tasks.{task}")
     try:
         return module.run(cfg)
-    except USER_ERRORS as error:
-        if os.environ.get("FLOWFORMER_TRACEBACK"):
+    except Exception as error:
+        user_error = find_user_error(error)
+        if user_error is None or os.environ.get("FLOWFORMER_TRACEBACK"):
             raise
-        log.error("%s: %s", type(error).__name__, error)
-        print(f"error ({type(error).__name__}): {error}", file=sys.stderr)
+        log.error("%s: %s", type(user_error).__name__, user_error)
+        print(f"error ({type(user_error).__name__}): {user_error}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
         close_loggers()
+
+
+def find_user_error(error: BaseException) -> BaseException | None:
+    """The user-facing error in an exception chain (Hydra's instantiate wraps the original as __cause__)."""
+    while error is not None:
+        if isinstance(error, USER_ERRORS):
+            return error
+        error = error.__cause__
+    return None
