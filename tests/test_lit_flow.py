@@ -3,9 +3,11 @@
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
@@ -35,7 +37,7 @@ def make_module(**overrides) -> FlowModule:
     return FlowModule(backbone=OmegaConf.load(TINY), **settings)
 
 
-def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2) -> L.Trainer:
+def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2, logger=False) -> L.Trainer:
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, every_n_train_steps=every_n)
     return L.Trainer(
         accelerator="cpu",
@@ -45,7 +47,7 @@ def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2)
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         gradient_clip_val=1.0,
-        logger=False,
+        logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[checkpoint, *callbacks],
@@ -53,11 +55,25 @@ def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2)
     )
 
 
-def test_fit_logs_named_val_metrics_and_checkpoint_loads_weights_only(tmp_path):
+class ImageLogger(CSVLogger):
+    """A logger with wandb's `log_image`, recording what it was given."""
+
+    def __init__(self, save_dir: Path) -> None:
+        super().__init__(save_dir)
+        self.images: dict[str, tuple] = {}
+
+    def log_image(self, key: str, images: list, step: int) -> None:
+        self.images[key] = (images[0].shape, images[0].dtype, step)
+
+
+def test_fit_logs_named_val_metrics_panels_and_checkpoint_loads_weights_only(tmp_path):
     L.seed_everything(0)
-    module = make_module()
-    trainer = make_trainer(tmp_path, max_steps=2)
+    module = make_module(num_val_panels=1)
+    logger = ImageLogger(tmp_path)
+    trainer = make_trainer(tmp_path, max_steps=2, logger=logger)
     trainer.fit(module, datamodule=FixedOrderData())
+    # image | ground truth | prediction | error, at the validation image size 60x90
+    assert logger.images == {"val/synthetic/panel_0": ((60, 360, 3), np.uint8, 2)}
     metrics = trainer.callback_metrics
     for key in ("train/loss", "train/epe", "val/synthetic/epe", "val/synthetic/1px", "val/synthetic/f1_all"):
         assert key in metrics and torch.isfinite(metrics[key]), key

@@ -13,9 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from flowformer.eval.padding import InputPadder
+from flowformer.lit.images import image_api, log_images
 from flowformer.lit.optim import adamw_onecycle
 from flowformer.losses import sequence_loss
 from flowformer.metrics import FlowMetrics
+from flowformer.viz import flow_panel
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class FlowModule(L.LightningModule):
     init_from: checkpoint to initialise the backbone from (ours, an official .pth, or a Lightning .ckpt of a
         previous stage); keys under `skip_init_prefixes` are not loaded (e.g. the MCVA `pretrain_head`).
     add_noise: FlowFormer's pixel noise: per batch std ~ U(0,5), images clamped to 0..255 (SPEC §6.2).
+    num_val_panels: image | gt | prediction | error panels logged from the first batch of each validation set
+        (to loggers that take images: wandb, TensorBoard).
     """
 
     def __init__(
@@ -165,8 +169,13 @@ class FlowModule(L.LightningModule):
         padder = InputPadder(image1.shape, mode="sintel")  # any size -> multiples of 8 (SPEC §7.2)
         output = self.backbone(*padder.pad(image1, image2), iters=self.hparams.val_iters)
         flow = padder.unpad(output["flow"])  # [B,2,H,W]
-        metric = self.val_metrics[name]
-        metric.update(flow, batch["flow"], batch.get("valid"))
+        self.val_metrics[name].update(flow, batch["flow"], batch.get("valid"))
+        if batch_idx == 0 and any(image_api(logger) for logger in self.loggers):
+            panels = {
+                f"val/{name}/panel_{i}": flow_panel(image1[i], flow[i], batch["flow"][i], batch["valid"][i])
+                for i in range(min(self.hparams.num_val_panels, image1.shape[0]))
+            }
+            log_images(self.loggers, panels, self.global_step)
 
     def on_validation_epoch_end(self) -> None:
         for name, metric in self.val_metrics.items():
