@@ -197,12 +197,13 @@ class GlobalSubsampledAttention(nn.Module):
     def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool = True) -> None:
         super().__init__()
         self.dim, self.c, self.key_pe = dim, context_proj_dim, key_pe
+        if context_proj_dim > 0:
+            self.context_proj = nn.Linear(context_dim, context_proj_dim)
         self.q = nn.Linear(dim + context_proj_dim, dim)
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         if context_proj_dim > 0:
-            self.context_proj = nn.Linear(context_dim, context_proj_dim)
             self.sr_key = nn.Conv2d(dim + context_proj_dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
             self.sr_value = nn.Conv2d(dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
         else:

@@ -215,6 +215,10 @@ class MemoryDecoder(nn.Module):
         self.flow_token_encoder = nn.Sequential(
             nn.Conv2d(crop_dim, query_dim, 1), nn.GELU(), nn.Conv2d(query_dim, query_dim, 1)
         )
+        if recon_size is not None:
+            self.pretrain_head = pretrain_head(
+                query_dim=query_dim, recon_size=recon_size, depth=recon_head_depth
+            )
         self.proj = nn.Conv2d(context_dim, 2 * HIDDEN, 1)
         self.decoder_layer = MemoryDecoderLayer(
             query_dim=query_dim,
@@ -224,10 +228,6 @@ class MemoryDecoder(nn.Module):
         )
         self.update_block = GMAUpdateBlock(corr_dim=query_dim + crop_dim)
         self.att = GMAAttention()
-        if recon_size is not None:
-            self.pretrain_head = pretrain_head(
-                query_dim=query_dim, recon_size=recon_size, depth=recon_head_depth
-            )
 
     def memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
         """cost memory [N, K, D] -> keys, values [N, K, Q], computed once per image pair."""

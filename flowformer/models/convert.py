@@ -1,0 +1,60 @@
+"""Convert checkpoints between the official layout and our backbone format.
+
+    python -m flowformer.models.convert things.pth things_ours.ckpt --variant flowformer
+    python -m flowformer.models.convert ours.ckpt official.pth --to-official
+
+The first form reads a released FlowFormer / FlowFormer++ `.pth` (with or without `module.`), loads it strictly
+into the official architecture of `--variant` (or the knobs of `--backbone conf/backbone/<name>.yaml`) and writes
+our backbone file. `--to-official` writes a backbone file or Lightning `.ckpt` back in the released layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from flowformer.models.checkpoint import export_official, load_backbone, load_official, save_backbone
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m flowformer.models.convert", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("src", type=Path, help="input checkpoint")
+    parser.add_argument("dst", type=Path, help="output checkpoint")
+    parser.add_argument(
+        "--variant",
+        choices=("flowformer", "flowformer_pp"),
+        default=None,
+        help="architecture of an official input (default: the --backbone file's, else flowformer)",
+    )
+    parser.add_argument(
+        "--backbone",
+        type=Path,
+        default=None,
+        help="conf/backbone/*.yaml whose knobs describe the architecture (default: the paper's)",
+    )
+    parser.add_argument(
+        "--to-official", action="store_true", help="convert our backbone file to the official layout"
+    )
+    args = parser.parse_args(argv)
+
+    if args.to_official:
+        export_official(load_backbone(args.src), args.dst)
+        print(f"wrote official-layout state dict to {args.dst}")
+        return
+    knobs: dict = {}
+    if args.backbone is not None:
+        knobs = yaml.safe_load(args.backbone.read_text())
+        knobs.pop("_target_", None)
+    variant = args.variant or knobs.pop("variant", "flowformer")
+    knobs.pop("variant", None)
+    net = load_official(args.src, variant=variant, **knobs)
+    save_backbone(args.dst, net)
+    print(f"wrote {variant} backbone checkpoint to {args.dst}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""State-dict layout against the official key lists, checkpoint loading/saving/export, the converter CLI and the
+optional Twins ImageNet weights."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from flowformer.models import FlowFormer, export_official, load_backbone_weights, load_official, save_backbone
+from flowformer.models.checkpoint import CheckpointMismatchError, load_backbone
+from flowformer.models.convert import main as convert
+from flowformer.models.encoders import TwinsEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT.parent / "shared" / "reference"
+CONF = ROOT / "conf" / "backbone"
+
+
+def meta_net(**kwargs) -> FlowFormer:
+    with torch.device("meta"):
+        return FlowFormer(**kwargs)
+
+
+def tiny(**overrides) -> FlowFormer:
+    cfg = yaml.safe_load((CONF / "tiny.yaml").read_text())
+    cfg.pop("_target_")
+    cfg.update(overrides)
+    return FlowFormer(**cfg)
+
+
+def read_key_list(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    rows = []
+    for line in (REFERENCE / name).read_text().splitlines():
+        key, shape = line.split(" ", 1)
+        rows.append((key, tuple(int(s) for s in shape.strip("()").split(",") if s.strip())))
+    return rows
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"reference key lists not found at {REFERENCE}")
+@pytest.mark.parametrize(
+    ("variant", "key_list", "n_params"),
+    [
+        ("flowformer", "state_dict_flowformer.txt", 16_168_113),
+        ("flowformer_pp", "state_dict_flowformerpp.txt", 16_152_338),
+    ],
+)
+def test_state_dict_equals_official_key_list(variant: str, key_list: str, n_params: int) -> None:
+    net = meta_net(variant=variant)
+    ours = [(k, tuple(v.shape)) for k, v in net.state_dict().items()]
+    assert ours == read_key_list(key_list)
+    assert sum(p.numel() for p in net.parameters()) == n_params  # SPEC §1.10 (rel_ind is a buffer)
+
+
+@pytest.mark.parametrize("name", ["flowformer", "flowformer_pp", "small", "tiny"])
+def test_backbone_configs_instantiate_with_hydra(name: str) -> None:
+    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    with torch.device("meta"):
+        net = instantiate(cfg)
+    assert isinstance(net, FlowFormer) and net.variant == cfg.variant
+
+
+def test_small_is_the_papers_flowformer_small() -> None:
+    net = meta_net(
+        **{k: v for k, v in yaml.safe_load((CONF / "small.yaml").read_text()).items() if k != "_target_"}
+    )
+    keys = net.state_dict()
+    assert keys["memory_encoder.cost_perceiver_encoder.latent_tokens"].shape == (1, 4, 32)
+    assert len(net.memory_encoder.cost_perceiver_encoder.encoder_layers) == 1
+    assert not any("context_proj" in k for k in keys)  # vert_c_dim = 0: context-free AGT
+    assert (
+        "memory_encoder.feat_encoder.layer3.1.conv2.weight" in keys and "context_encoder.conv2.weight" in keys
+    )
+
+
+def official_file(tmp_path: Path, net: FlowFormer, *, prefix: bool = True) -> Path:
+    state = export_official(net)
+    if not prefix:
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    path = tmp_path / ("official.pth" if prefix else "plain.pth")
+    torch.save({k: v.half() if v.is_floating_point() else v for k, v in state.items()}, path)
+    return path
+
+
+def test_export_official_round_trips_exactly(tmp_path: Path) -> None:
+    net = tiny()
+    exported = export_official(net, tmp_path / "o.pth")
+    assert all(k.startswith("module.") for k in exported)
+    again = tiny()
+    load_backbone_weights(again, tmp_path / "o.pth")
+    back = export_official(again)
+    assert exported.keys() == back.keys() and all(torch.equal(exported[k], back[k]) for k in exported)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_official_file_loads_with_or_without_module_prefix(tmp_path: Path, prefix: bool) -> None:
+    src = tiny()
+    dst = tiny()
+    report = load_backbone_weights(dst, official_file(tmp_path, src, prefix=prefix))
+    assert report.source == "official" and report.skipped == []
+    for key, value in src.state_dict().items():
+        expect = value.half().float() if value.is_floating_point() else value
+        assert torch.equal(dst.state_dict()[key], expect)
+
+
+def test_mismatch_lists_missing_unexpected_and_shapes(tmp_path: Path) -> None:
+    state = export_official(tiny())
+    del state["module.memory_decoder.proj.bias"]
+    state["module.extra.weight"] = torch.zeros(1)
+    state["module.memory_decoder.proj.weight"] = torch.zeros(3, 3, 1, 1)
+    torch.save(state, tmp_path / "bad.pth")
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_backbone_weights(tiny(), tmp_path / "bad.pth")
+    text = str(err.value)
+    assert "missing keys (1)" in text and "memory_decoder.proj.bias" in text
+    assert "unexpected keys (1)" in text and "extra.weight" in text
+    assert "shape mismatches (1)" in text and "memory_decoder.proj.weight: checkpoint (3, 3, 1, 1)" in text
+
+
+def test_load_official_refuses_the_other_variant(tmp_path: Path) -> None:
+    path = official_file(tmp_path, tiny(variant="flowformer"))
+    with pytest.raises(CheckpointMismatchError, match="channel_convertor"):
+        load_official(path, variant="flowformer_pp", **tiny_kwargs())
+    net = load_official(path, variant="flowformer", **tiny_kwargs())
+    assert not net.training and all(p.device.type == "cpu" for p in net.state_dict().values())
+
+
+def tiny_kwargs() -> dict:
+    cfg = yaml.safe_load((CONF / "tiny.yaml").read_text())
+    return {k: v for k, v in cfg.items() if k not in ("_target_", "variant")}
+
+
+def test_lightning_checkpoint_with_skip_prefixes(tmp_path: Path) -> None:
+    src = tiny()
+    ckpt = {"state_dict": {f"backbone.{k}": v for k, v in src.state_dict().items()}, "epoch": 3}
+    ckpt["state_dict"]["backbone.memory_decoder.pretrain_head.4.weight"] = torch.zeros(9, 64, 1, 1)
+    ckpt["state_dict"]["metric.total"] = torch.zeros(1)
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    dst = tiny()
+    before = dst.memory_decoder.pretrain_head[4].weight.clone()
+    with pytest.raises(CheckpointMismatchError, match="pretrain_head.4.weight"):
+        load_backbone_weights(dst, tmp_path / "last.ckpt")
+    report = load_backbone_weights(
+        dst, tmp_path / "last.ckpt", skip_prefixes=("memory_decoder.pretrain_head.",)
+    )
+    assert report.source == "lightning"
+    assert "memory_decoder.pretrain_head.4.weight" in report.skipped
+    assert torch.equal(dst.memory_decoder.pretrain_head[4].weight, before)  # skipped keys keep their values
+    assert torch.equal(dst.memory_decoder.proj.weight, src.memory_decoder.proj.weight)
+
+
+def test_save_backbone_is_plain_and_rebuilds(tmp_path: Path) -> None:
+    net = tiny(decoder_iters=2)
+    save_backbone(tmp_path / "b.ckpt", net)
+    obj = torch.load(tmp_path / "b.ckpt", weights_only=True)
+    assert obj["format"] == "flowformer-backbone" and obj["config"]["decoder_iters"] == 2
+    rebuilt = load_backbone(tmp_path / "b.ckpt")
+    assert all(torch.equal(v, rebuilt.state_dict()[k]) for k, v in net.state_dict().items())
+    other = tiny()
+    assert load_backbone_weights(other, tmp_path / "b.ckpt").source == "backbone"
+
+
+def test_convert_cli_both_directions(tmp_path: Path) -> None:
+    official = official_file(tmp_path, tiny(variant="flowformer"))
+    ours, back = tmp_path / "ours.ckpt", tmp_path / "back.pth"
+    convert([str(official), str(ours), "--variant", "flowformer", "--backbone", str(CONF / "tiny.yaml")])
+    assert load_backbone(ours).variant == "flowformer"
+    convert([str(ours), str(back), "--to-official"])
+    a = torch.load(official, weights_only=True)
+    b = torch.load(back, weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k]) for k in a)
+
+
+def test_twins_weights_from_a_local_file(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in TwinsEncoder().svt.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+    state["blocks.2.0.attn.qkv.weight"] = torch.zeros(3)  # later stages and the head are ignored
+    state["head.weight"] = torch.zeros(2)
+    torch.save(state, tmp_path / "twins_svt_large.pth")
+    encoder = TwinsEncoder(weights=str(tmp_path / "twins_svt_large.pth"))
+    assert torch.equal(encoder.svt.patch_embeds[0].proj.weight, state["patch_embeds.0.proj.weight"])
+    del state["norm.weight"]
+    state["patch_embeds.0.proj.bias"] = torch.zeros(5)
+    torch.save(state, tmp_path / "bad.pth")
+    with pytest.raises(
+        ValueError, match=r"missing=\['norm.weight'\].*shape-mismatched=\['patch_embeds.0.proj.bias'\]"
+    ):
+        encoder.load_imagenet(tmp_path / "bad.pth")
