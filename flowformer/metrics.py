@@ -121,8 +121,12 @@ class SpeedBinnedEPE(Metric):
 
     def __init__(self) -> None:
         super().__init__()
-        self.add_state("epe_sum", default=torch.zeros(len(SPEED_BINS), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.zeros(len(SPEED_BINS), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state(
+            "epe_sum", default=torch.zeros(len(SPEED_BINS), dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state(
+            "count", default=torch.zeros(len(SPEED_BINS), dtype=torch.float64), dist_reduce_fx="sum"
+        )
 
     def update(self, pred: Tensor, gt: Tensor, valid: Tensor | None = None) -> None:
         epe, mag = endpoint_error(pred, gt)

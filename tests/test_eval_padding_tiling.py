@@ -98,7 +98,9 @@ def _official_blend(flow_fn, image1, image2, tile, min_overlap, sigma=0.05):
     weight = compute_weight(tile, sigma)[None, None]
     flows, count = 0, 0
     for h, w in compute_grid_indices((height, width), tile, min_overlap):
-        flow = flow_fn(image1[:, :, h : h + tile[0], w : w + tile[1]], image2[:, :, h : h + tile[0], w : w + tile[1]])
+        flow = flow_fn(
+            image1[:, :, h : h + tile[0], w : w + tile[1]], image2[:, :, h : h + tile[0], w : w + tile[1]]
+        )
         padding = (w, width - w - tile[1], h, height - h - tile[0], 0, 0)
         flows = flows + F.pad(flow * weight, padding)
         count = count + F.pad(weight, padding)

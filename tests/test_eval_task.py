@@ -37,7 +37,12 @@ class ConstantFlowSet(Dataset):
         if self.valid_rows is not None:
             valid[self.valid_rows :] = 0
         flow = torch.stack([torch.full((h, w), 3.0), torch.full((h, w), 4.0)])
-        return {"img1": torch.rand(3, h, w) * 255, "img2": torch.rand(3, h, w) * 255, "flow": flow, "valid": valid}
+        return {
+            "img1": torch.rand(3, h, w) * 255,
+            "img2": torch.rand(3, h, w) * 255,
+            "flow": flow,
+            "valid": valid,
+        }
 
 
 class RecordingNet(nn.Module):
@@ -108,7 +113,9 @@ def test_protocol_from_config_and_table() -> None:
         Protocol.from_config("x", {"kind": "flow", "tile_szie": [8, 8]})
     protocol = Protocol.from_config("kitti", {"kind": "kitti", "iters": 24, "tile_size": [376, 720]})
     assert protocol.tile_size == (376, 720) and protocol.pad_mode == "sintel"
-    table = format_table({"sintel_clean": {"epe": 1.0, "s40+": float("nan")}, "kitti": {"epe_per_image": 2.0}})
+    table = format_table(
+        {"sintel_clean": {"epe": 1.0, "s40+": float("nan")}, "kitti": {"epe_per_image": 2.0}}
+    )
     assert "sintel_clean" in table and "1.0000" in table and "kitti-epe = epe_per_image" in table
 
 
@@ -126,7 +133,9 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None
     ]
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-        tiled_cfg = compose("config", overrides=[*overrides, "eval.tile=true", f"eval.results_json={tmp_path / 't.json'}"])
+        tiled_cfg = compose(
+            "config", overrides=[*overrides, "eval.tile=true", f"eval.results_json={tmp_path / 't.json'}"]
+        )
     torch.manual_seed(7)  # weights that differ from what run() would initialise with its own seed
     net = hydra.utils.instantiate(cfg.backbone).eval()
     save_backbone(tmp_path / "tiny.pt", net)
@@ -150,8 +159,12 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None
     assert result["epe"] == pytest.approx(expected.compute()["epe"].item(), rel=1e-5)
 
     tiled = run(tiled_cfg)
-    assert tiled == pytest.approx(json.loads((tmp_path / "t.json").read_text())["results"]["synthetic"]["epe"])
-    assert tiled > 0 and tiled != pytest.approx(value, rel=1e-6)  # 4 tiles of 64x96 instead of one padded pass
+    assert tiled == pytest.approx(
+        json.loads((tmp_path / "t.json").read_text())["results"]["synthetic"]["epe"]
+    )
+    assert tiled > 0 and tiled != pytest.approx(
+        value, rel=1e-6
+    )  # 4 tiles of 64x96 instead of one padded pass
 
 
 def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path) -> None:
@@ -197,7 +210,11 @@ def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
     assert cfg.eval.sigma == 0.05 and cfg.eval.min_overlap == 20 and cfg.eval.precision == "32-true"
     for name in ("sintel_clean", "sintel_final", "sintel_test_clean", "sintel_test_final"):
         assert sets[name].iters == (32 if ff else 12)
-        assert (sets[name].pad_mode, sets[name].tile_size, sets[name].tile_pad_mode) == ("sintel", (432, 960), None)
+        assert (sets[name].pad_mode, sets[name].tile_size, sets[name].tile_pad_mode) == (
+            "sintel",
+            (432, 960),
+            None,
+        )
     kitti = sets["kitti"]
     assert kitti.kind == "kitti" and kitti.iters == (24 if ff else 12) and kitti.pad_mode == "sintel"
     assert (kitti.tile_size, kitti.tile_pad_mode) == (((376, 720), "kitti376") if ff else ((288, 960), None))
@@ -208,3 +225,10 @@ def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
         (432, 960),
         "kitti432",
     )
+
+
+def test_missing_dataset_fails_before_the_network_with_the_eval_alternative(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=["task=eval", "backbone=flowformer", f"paths.data_dir={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match=r"eval set 'sintel_clean'(.|\n)*eval=synthetic"):
+        run(cfg)

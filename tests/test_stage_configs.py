@@ -83,14 +83,24 @@ def test_stage_hyperparameters(stage: str, variant: str) -> None:
 def test_stage_augmentation_matches_spec() -> None:
     # (crop, min scale, max scale, flip) per stage, SPEC §6.3
     chairs = _compose(["experiment=chairs"]).data.train.augmentor
-    assert (list(chairs.crop_size), chairs.min_scale, chairs.max_scale, chairs.do_flip) == ([368, 496], -0.1, 1.0, True)
+    assert (list(chairs.crop_size), chairs.min_scale, chairs.max_scale, chairs.do_flip) == (
+        [368, 496],
+        -0.1,
+        1.0,
+        True,
+    )
     things = _compose(["experiment=things"]).data.train
     assert list(things.passes) == ["clean", "final"]
     aug = things.augmentor
     assert (list(aug.crop_size), aug.min_scale, aug.max_scale, aug.do_flip) == ([432, 960], -0.4, 0.8, True)
     kitti = _compose(["experiment=kitti"]).data.train.augmentor
     assert kitti._target_.endswith("SparseFlowAugmentor")
-    assert (list(kitti.crop_size), kitti.min_scale, kitti.max_scale, kitti.do_flip) == ([432, 960], -0.2, 0.4, False)
+    assert (list(kitti.crop_size), kitti.min_scale, kitti.max_scale, kitti.do_flip) == (
+        [432, 960],
+        -0.2,
+        0.4,
+        False,
+    )
     mix = _compose(["experiment=sintel"]).data.train.parts
     assert [part.repeat for part in mix] == [100, 200, 5, 1]  # SPEC §8.3 (clean+final share the 100)
     scales = [(part.dataset.augmentor.min_scale, part.dataset.augmentor.max_scale) for part in mix]
@@ -115,7 +125,9 @@ def test_stage_datamodules_instantiate_on_tiny_trees(tmp_path: Path) -> None:
     for i in range(2):
         _write_image(kitti / "image_2" / f"{i:06d}_10.png", rng, (20, 40))
         _write_image(kitti / "image_2" / f"{i:06d}_11.png", rng, (20, 40))
-        write_kitti_flow(kitti / "flow_occ" / f"{i:06d}_10.png", rng.normal(size=(20, 40, 2)).astype(np.float32))
+        write_kitti_flow(
+            kitti / "flow_occ" / f"{i:06d}_10.png", rng.normal(size=(20, 40, 2)).astype(np.float32)
+        )
 
     chairs_dm = hydra.utils.instantiate(_compose(["experiment=chairs", f"paths.data_dir={tmp_path}"]).data)
     assert chairs_dm.describe() == {"train": 2, "val": {"chairs": 1}}

@@ -91,7 +91,9 @@ def tiled_flow(
     for h, w in corners:
         flow = flow_fn(image1[:, :, h : h + th, w : w + tw], image2[:, :, h : h + th, w : w + tw])
         if flow.shape != (batch, 2, th, tw):
-            raise ValueError(f"the flow of a {th}x{tw} tile must be [{batch},2,{th},{tw}]; got {tuple(flow.shape)}")
+            raise ValueError(
+                f"the flow of a {th}x{tw} tile must be [{batch},2,{th},{tw}]; got {tuple(flow.shape)}"
+            )
         with torch.autocast(device_type=image1.device.type, enabled=False):
             numerator[:, :, h : h + th, w : w + tw] += flow.float() * weight
             denominator[:, :, h : h + th, w : w + tw] += weight

@@ -48,7 +48,9 @@ KINDS = ("sintel", "kitti", "flow", "sintel_submission", "kitti_submission")
 # the value run() returns for sweepers, per kind: the official kitti-epe is per image (SPEC §7.1)
 HEADLINE = {"sintel": "epe", "flow": "epe", "kitti": "epe_per_image"}
 PROTOCOL_KEYS = {"kind", "iters", "pad_mode", "tile_size", "tile_pad_mode", "dataset"}
-KITTI_NOTE = "kitti: official kitti-epe = epe_per_image (per-image mean), kitti-f1 = f1_all_pooled (per pixel)"
+KITTI_NOTE = (
+    "kitti: official kitti-epe = epe_per_image (per-image mean), kitti-f1 = f1_all_pooled (per pixel)"
+)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,11 @@ def predict_flow(
             "e.g. [432, 960] (SPEC §7.3)"
         )
     # the official Sintel and FF++ KITTI protocols tile the image as it is (tile_pad_mode null)
-    padder = InputPadder(image1.shape, mode=protocol.tile_pad_mode, fill="zeros") if protocol.tile_pad_mode else None
+    padder = (
+        InputPadder(image1.shape, mode=protocol.tile_pad_mode, fill="zeros")
+        if protocol.tile_pad_mode
+        else None
+    )
     padded = padder.pad(image1, image2) if padder else (image1, image2)
     flow = tiled_flow(
         flow_fn,
@@ -188,7 +194,10 @@ def evaluate_set(
     if count == 0:
         raise ValueError(f"eval set {protocol.name} is empty; check its dataset root and split")
     loader = DataLoader(
-        torch.utils.data.Subset(dataset, range(count)), batch_size=1, num_workers=num_workers, collate_fn=_single
+        torch.utils.data.Subset(dataset, range(count)),
+        batch_size=1,
+        num_workers=num_workers,
+        collate_fn=_single,
     )
 
     def flow_fn(image1: Tensor, image2: Tensor) -> Tensor:
@@ -236,13 +245,30 @@ def format_table(results: Mapping[str, Mapping[str, float]]) -> str:
     header = f"{'set':<{width}}  " + "  ".join(f"{c:>16}" for c in columns)
     lines = [header, "-" * len(header)]
     for name, values in results.items():
-        cells = [f"{values[c]:>16.4f}" if c in values and not math.isnan(values[c]) else f"{'':>16}" for c in columns]
+        cells = [
+            f"{values[c]:>16.4f}" if c in values and not math.isnan(values[c]) else f"{'':>16}"
+            for c in columns
+        ]
         if not values:
             cells = [f"{'(submission written)':>16}"]
         lines.append(f"{name:<{width}}  " + "  ".join(cells))
     if any("epe_per_image" in values for values in results.values()):
         lines.append(KITTI_NOTE)
     return "\n".join(lines)
+
+
+def open_dataset(name: str, node: Mapping[str, Any]) -> Dataset:
+    """The set's dataset; a missing dataset tree names the set and the zero-download alternative."""
+    try:
+        return hydra.utils.instantiate(node["dataset"])
+    except Exception as error:  # Hydra wraps the dataset's own error as __cause__
+        cause = error.__cause__ or error
+        if not isinstance(cause, FileNotFoundError):
+            raise
+        raise FileNotFoundError(
+            f"eval set '{name}': {cause}\n  task=eval: pick the sets whose data you have with eval.sets=[...], "
+            "or evaluate on the built-in synthetic pairs with eval=synthetic"
+        ) from None
 
 
 def load_network(cfg: DictConfig, device: torch.device) -> nn.Module:
@@ -268,6 +294,11 @@ def run(cfg: DictConfig) -> float | None:
         raise ValueError(
             f"eval.sets names {unknown}, which eval.benchmarks does not define; defined: {list(benchmarks)}"
         )
+    # every set is checked (protocol and dataset tree) before the network is built
+    sets = {
+        name: (Protocol.from_config(name, benchmarks[name]), open_dataset(name, benchmarks[name]))
+        for name in settings.sets
+    }
     device = pick_device(settings.device)
     torch.manual_seed(cfg.seed)
     net = load_network(cfg, device)
@@ -275,10 +306,7 @@ def run(cfg: DictConfig) -> float | None:
 
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}
-    for name in settings.sets:
-        node = benchmarks[name]
-        protocol = Protocol.from_config(name, node)
-        dataset = hydra.utils.instantiate(node.dataset)
+    for name, (protocol, dataset) in sets.items():
         log.info("evaluating %s (%d pairs): %s, tile=%s", name, len(dataset), protocol, settings.tile)
         results[name] = evaluate_set(
             net,
