@@ -1,0 +1,75 @@
+"""task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output), task=bench on CPU."""
+
+import json
+from pathlib import Path
+
+import cv2
+import hydra
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from flowformer.data.io import read_flo, read_kitti_flow
+from flowformer.models import save_backbone
+from flowformer.tasks import bench, infer
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=["backbone=tiny", *overrides])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
+    save_backbone(path, hydra.utils.instantiate(config().backbone))
+    return path
+
+
+def frames(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (HEIGHT, WIDTH + 2 * count, 3), dtype=np.uint8)
+    return [np.ascontiguousarray(base[:, 2 * i : 2 * i + WIDTH]) for i in range(count)]
+
+
+def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint):
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(frames(3)):
+        cv2.imwrite(str(folder / f"f{i:02d}.png"), frame)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=2", "infer.device=cpu"))
+    assert sorted(p.name for p in out.iterdir()) == ["f00.flo", "f00_flow.png", "f01.flo", "f01_flow.png"]
+    assert read_flo(out / "f00.flo").shape == (HEIGHT, WIDTH, 2)
+    assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
+
+
+def test_infer_video_writes_kitti_pngs(tmp_path, checkpoint):
+    video = tmp_path / "clip.avi"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
+    for frame in frames(3):
+        writer.write(frame)
+    writer.release()
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=2", "infer.device=cpu", "infer.format=kitti", "infer.save_png=false"))
+    assert sorted(p.name for p in out.iterdir()) == ["frame_000000.png", "frame_000001.png"]
+    flow, valid = read_kitti_flow(out / "frame_000000.png")
+    assert flow.shape == (HEIGHT, WIDTH, 2) and valid.all()
+
+
+def test_infer_refuses_missing_input(tmp_path, checkpoint):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        infer.run(config(f"infer.input={tmp_path / 'nope'}", f"infer.checkpoint={checkpoint}"))
+
+
+def test_bench_reports_time_and_memory(tmp_path):
+    cfg = config("bench.height=64", "bench.width=96", "bench.iters=2", "bench.repeats=1", "bench.warmup=0",
+                 "bench.device=cpu", f"paths.output_dir={tmp_path}")
+    seconds = bench.run(cfg)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert seconds > 0 and report["mean_s"] == seconds and report["peak_rss_mib"] > 0
