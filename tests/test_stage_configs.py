@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from flowformer.data.io import write_flo, write_kitti_flow
+from flowformer.lit.flow import FlowModule
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -137,3 +138,13 @@ def test_stage_datamodules_instantiate_on_tiny_trees(tmp_path: Path) -> None:
     kitti_dm = hydra.utils.instantiate(_compose(["experiment=kitti", f"paths.data_dir={tmp_path}"]).data)
     assert kitti_dm.describe() == {"train": 2, "val": {"kitti": 2}}
     assert kitti_dm.batch_size == 6
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_stage_model_instantiates(stage: str) -> None:
+    """The stage's model config is a valid FlowModule (the tiny backbone stands in for the paper's)."""
+    cfg = _compose([f"experiment={stage}", "backbone=tiny", "model.init_from=null"])
+    module = hydra.utils.instantiate(cfg.model)
+    assert isinstance(module, FlowModule)
+    assert module.hparams.gamma == pytest.approx(STAGES[stage][5][cfg.backbone.variant])
+    assert module.hparams.lr == pytest.approx(STAGES[stage][1])
