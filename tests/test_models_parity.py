@@ -71,7 +71,11 @@ def test_per_iteration_low_res_flow(run_a: dict, expected: dict) -> None:
 
 
 @pytest.mark.skipif(not FIXTURE_C.is_dir(), reason=f"fixture C not found at {FIXTURE_C}")
-def test_flowformer_pp_weights_load_strictly() -> None:
+def test_flowformer_pp_loads_strictly_and_matches_masked_stages() -> None:
+    """Fixture C: strict load, masked cost encoding (SPEC §5.4) and one reconstruction round (SPEC §5.5)."""
+    from flowformer.models import TokenMask
+
+    torch.set_num_threads(2)
     net = load_official(FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp")
     state = torch.load(FIXTURE_C / "weights_fp16.pth", weights_only=True)
     ours = net.state_dict()
@@ -80,4 +84,14 @@ def test_flowformer_pp_weights_load_strictly() -> None:
         assert torch.equal(
             ours[key.removeprefix("module.")], value.float() if value.is_floating_point() else value
         )
-    assert net.pretrain_head[4].out_channels == 225 and not net.training
+
+    want = torch.load(FIXTURE_C / "expected.pt", weights_only=True)
+    mask = TokenMask.from_noise(want["mask_noise"].reshape(-1, 48), mask_ratio=0.5)
+    with torch.no_grad():
+        feat1, feat2, context = net.encode_images(want["image1"].float(), want["image2"].float())
+        cost_maps = net.cost_volume(feat1, feat2)
+        memory = net.encode_cost(cost_maps, context, token_mask=mask)
+        memory_ref = torch.load(FIXTURE_C / "intermediates.pt", weights_only=True)["cost_memory"]
+        assert (memory - memory_ref).abs().max() < 1e-3
+        pred = net.pretrain_head(net.query_cost_memory(memory, cost_maps, want["coords_outter"][0]))
+    assert (pred - want["pred_full"][0]).abs().max() < 1e-3
