@@ -205,3 +205,30 @@ def test_bad_settings_raise_clear_errors() -> None:
         FlowFormer(image_encoder="twins", feature_dim=64)
     with pytest.raises(FileNotFoundError, match="twins_weights"):
         FlowFormer(image_encoder="twins", twins_weights="/nonexistent/twins.pth")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_chunked_and_checkpointed_tokenization_is_equivalent(masked: bool) -> None:
+    """Memory options: chunking over source pixels and activation checkpointing change no number."""
+    plain = build().train()
+    chunked = build(tokenize_chunk=7, tokenize_checkpoint=True).train()
+    chunked.load_state_dict(plain.state_dict())
+    image1, image2 = images()
+    results = []
+    for net in (plain, chunked):
+        feat1, feat2, context = net.encode_images(image1, image2)
+        cost_maps = net.cost_volume(feat1, feat2)
+        mask = None
+        if masked:
+            mask = TokenMask.from_noise(
+                torch.rand(cost_maps.shape[0], 2, generator=torch.Generator().manual_seed(3)), 0.5
+            )
+        memory = net.encode_cost(cost_maps, context, token_mask=mask)
+        memory.square().mean().backward()
+        results.append(
+            (memory.detach(), net.memory_encoder.cost_perceiver_encoder.patch_embed.proj[0].weight.grad)
+        )
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="tokenize_chunk"):
+        build(tokenize_chunk=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from flowformer.models.layers import (
     Mlp,
@@ -289,9 +290,17 @@ class CostPerceiverEncoder(nn.Module):
         context_dim: int,
         context_proj_dim: int,
         gsa_key_pe: bool,
+        tokenize_chunk: int | None = None,
+        tokenize_checkpoint: bool = False,
     ) -> None:
         super().__init__()
+        if tokenize_chunk is not None and tokenize_chunk < 1:
+            raise ValueError(
+                f"backbone.tokenize_chunk must be a positive number of cost maps or null, got {tokenize_chunk}"
+            )
         self.num_latent_tokens = num_latent_tokens
+        self.tokenize_chunk = tokenize_chunk
+        self.tokenize_checkpoint = tokenize_checkpoint
         self.patch_embed = PatchEmbed(in_chans=cost_heads, dim=patch_dim, pe_dim=patch_pe_dim)
         self.latent_tokens = nn.Parameter(torch.randn(1, num_latent_tokens, latent_dim))
         self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=patch_dim + patch_pe_dim)
@@ -308,11 +317,38 @@ class CostPerceiverEncoder(nn.Module):
             ]
         )
 
+    def _tokenize_rows(self, cost_maps: Tensor, removed: Tensor | None, ids_keep: Tensor | None) -> Tensor:
+        tokens, _ = self.patch_embed(cost_maps, removed)  # [n, heads, H2, W2] -> [n, H3*W3, T]
+        return self.input_layer(self.latent_tokens, tokens, ids_keep)  # -> [n, K, D]
+
+    def tokenize(self, cost_maps: Tensor, token_mask: TokenMask | None = None) -> Tensor:
+        """Patchify + latent summary, cost_maps [N, heads, H2, W2] -> [N, K, D]; every row is independent.
+
+        The patchify activations are the network's largest (about 15 GB per 432x960 training sample, SPEC §9.2).
+        `tokenize_chunk` processes that many cost maps at a time (bounding the peak at inference), and
+        `tokenize_checkpoint` recomputes each chunk in the backward pass instead of storing its activations.
+        Both give the same numbers as one pass.
+        """
+        rows = cost_maps.shape[0]
+        chunk = self.tokenize_chunk or rows
+        pieces = []
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            args = (
+                cost_maps[part],
+                None if token_mask is None else token_mask.removed[part],
+                None if token_mask is None else token_mask.ids_keep[part],
+            )
+            if self.tokenize_checkpoint and torch.is_grad_enabled():
+                pieces.append(checkpoint(self._tokenize_rows, *args, use_reentrant=False))
+            else:
+                pieces.append(self._tokenize_rows(*args))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     def forward(self, cost_maps: Tensor, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
         batch, _, h1, w1 = context.shape
         k = self.num_latent_tokens
-        tokens, _ = self.patch_embed(cost_maps, None if token_mask is None else token_mask.removed)
-        x = self.input_layer(self.latent_tokens, tokens, None if token_mask is None else token_mask.ids_keep)
+        x = self.tokenize(cost_maps, token_mask)
         shortcut = x  # [B*H1*W1, K, D]
         for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
             x = intra(x)

@@ -61,6 +61,8 @@ class FlowFormer(nn.Module):
         decoder_query: str = "crop_and_pe",
         recon_size: int = 15,
         recon_head_depth: int = 3,
+        tokenize_chunk: int | None = None,
+        tokenize_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -98,6 +100,8 @@ class FlowFormer(nn.Module):
             "decoder_query": decoder_query,
             "recon_size": recon_size,
             "recon_head_depth": recon_head_depth,
+            "tokenize_chunk": tokenize_chunk,
+            "tokenize_checkpoint": tokenize_checkpoint,
         }
         self.variant = variant
         self.cost_heads = cost_heads
@@ -119,6 +123,8 @@ class FlowFormer(nn.Module):
             context_dim=feature_dim,
             context_proj_dim=context_proj_dim,
             gsa_key_pe=not is_pp or context_proj_dim > 0,
+            tokenize_chunk=tokenize_chunk,
+            tokenize_checkpoint=tokenize_checkpoint,
         )
         self.memory_encoder = MemoryEncoder(
             feat_encoder=image_net(), feature_dim=feature_dim, convertor=not is_pp, cost_encoder=cost_encoder
