@@ -202,3 +202,25 @@ def test_bad_crop_settings_raise_clear_errors() -> None:
     too_small = FlowAugmentor(crop_size=(64, 64), spatial_prob=0.0, photometric=False)
     with pytest.raises(ValueError, match="smaller than the crop"):
         too_small(img, img, np.zeros((32, 32, 2), np.float32), np.random.default_rng(0))
+
+
+def test_color_jitter_ops_match_torchvision_on_pil() -> None:
+    """Each op equals torchvision's PIL path (what the official code runs) to 1 grey level; hue on average."""
+    tvf = pytest.importorskip("torchvision.transforms.functional")
+    from PIL import Image
+
+    from flowformer.data.transforms import _blend, _shift_hue
+
+    img = np.random.default_rng(0).integers(0, 256, size=(48, 64, 3), dtype=np.uint8)
+    pil = Image.fromarray(img)
+    grey = np.repeat(np.asarray(pil.convert("L"))[..., None], 3, axis=2)
+    mean_grey = int(np.asarray(pil.convert("L")).mean() + 0.5)
+    cases = [
+        (tvf.adjust_brightness(pil, 1.3), _blend(img, 0, 1.3)),
+        (tvf.adjust_contrast(pil, 0.7), _blend(img, mean_grey, 0.7)),
+        (tvf.adjust_saturation(pil, 1.4), _blend(img, grey, 1.4)),
+    ]
+    for expected, ours in cases:
+        assert np.abs(np.asarray(expected).astype(int) - ours).max() <= 1
+    hue_diff = np.abs(np.asarray(tvf.adjust_hue(pil, -0.13)).astype(int) - _shift_hue(img, -0.13))
+    assert hue_diff.mean() < 2.0

@@ -10,8 +10,8 @@ stream, fresh every epoch (unlike the official per-worker ``np.random.seed(worke
   scale with scattering of the valid points, horizontal flip, border-biased crop.
 - :class:`ImagePairAugmentor`: MCVA pretraining pairs (no flow, no eraser).
 
-Resizing uses ``cv2.resize(INTER_LINEAR)`` like the official code; colour jitter uses torchvision's tensor
-ops with torchvision ``ColorJitter`` semantics (random order of brightness, contrast, saturation, hue).
+Resizing uses ``cv2.resize(INTER_LINEAR)`` like the official code; colour jitter reproduces torchvision's
+``ColorJitter`` on PIL images (random order of brightness, contrast, saturation, hue) with numpy and OpenCV.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 import torch
-from torchvision.transforms.v2 import functional as TF
 
 __all__ = [
     "ColorJitter",
@@ -55,10 +54,13 @@ class WorkerRNG:
 
 
 class ColorJitter:
-    """torchvision ``ColorJitter`` semantics driven by a numpy Generator.
+    """torchvision ``ColorJitter`` on PIL images (what the official code uses), driven by a numpy Generator.
 
     Factors: brightness, contrast and saturation ~ U(max(0, 1-x), 1+x), hue ~ U(-h, h) (fraction of the
-    hue circle, h <= 0.5); the four ops are applied in a random order.
+    hue circle, h <= 0.5); the four ops are applied in a random order. Each op follows PIL's definition on
+    uint8 RGB: brightness blends with black, contrast with the mean grey level, saturation with the grey
+    image (ITU-R 601 luma), and hue shifts the 8-bit H channel of HSV with wrap-around. Done with OpenCV
+    (about 20 ms for a stacked 1080x960 pair; torchvision's tensor hue alone takes about 280 ms).
     """
 
     def __init__(self, *, brightness: float, contrast: float, saturation: float, hue: float) -> None:
@@ -70,22 +72,41 @@ class ColorJitter:
         self.hue = hue
 
     def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """uint8 [H, W, 3] -> uint8 [H, W, 3]."""
-        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)  # [3, H, W] uint8
+        """uint8 [H, W, 3] RGB -> uint8 [H, W, 3] RGB."""
+        image = np.ascontiguousarray(image)
         for op in rng.permutation(4):
             if op == 0 and self.brightness > 0:
-                tensor = TF.adjust_brightness(tensor, self._factor(self.brightness, rng))
+                image = _blend(image, 0, self._factor(self.brightness, rng))
             elif op == 1 and self.contrast > 0:
-                tensor = TF.adjust_contrast(tensor, self._factor(self.contrast, rng))
+                image = _blend(
+                    image,
+                    int(cv2.cvtColor(image, cv2.COLOR_RGB2GRAY).mean() + 0.5),
+                    self._factor(self.contrast, rng),
+                )
             elif op == 2 and self.saturation > 0:
-                tensor = TF.adjust_saturation(tensor, self._factor(self.saturation, rng))
+                grey = cv2.cvtColor(cv2.cvtColor(image, cv2.COLOR_RGB2GRAY), cv2.COLOR_GRAY2RGB)
+                image = _blend(image, grey, self._factor(self.saturation, rng))
             elif op == 3 and self.hue > 0:
-                tensor = TF.adjust_hue(tensor, float(rng.uniform(-self.hue, self.hue)))
-        return np.ascontiguousarray(tensor.permute(1, 2, 0).numpy())
+                image = _shift_hue(image, float(rng.uniform(-self.hue, self.hue)))
+        return image
 
     @staticmethod
     def _factor(amount: float, rng: np.random.Generator) -> float:
         return float(rng.uniform(max(0.0, 1.0 - amount), 1.0 + amount))
+
+
+def _blend(image: np.ndarray, degenerate: int | np.ndarray, factor: float) -> np.ndarray:
+    """PIL ``ImageEnhance``: degenerate + factor * (image - degenerate), saturated to uint8 (rounded)."""
+    if isinstance(degenerate, np.ndarray):  # an image: factor * image + (1 - factor) * degenerate
+        return cv2.addWeighted(image, factor, degenerate, 1.0 - factor, 0.0)
+    return cv2.addWeighted(image, factor, image, 0.0, (1.0 - factor) * degenerate)
+
+
+def _shift_hue(image: np.ndarray, hue_factor: float) -> np.ndarray:
+    """Rotate the hue by ``hue_factor`` turns: the uint8 H channel (0..255 = one turn) shifts with wrap-around."""
+    hsv = cv2.cvtColor(image, cv2.COLOR_RGB2HSV_FULL)
+    hsv[..., 0] += np.uint8(int(hue_factor * 255) % 256)  # uint8 arithmetic wraps around, like PIL's
+    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB_FULL)
 
 
 def _as_pair(value: Sequence[int], what: str) -> tuple[int, int]:
