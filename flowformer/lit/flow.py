@@ -17,6 +17,7 @@ from flowformer.lit.images import image_api, log_images
 from flowformer.lit.optim import adamw_onecycle
 from flowformer.losses import sequence_loss
 from flowformer.metrics import FlowMetrics
+from flowformer.models.checkpoint import load_backbone_weights
 from flowformer.viz import flow_panel
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,6 @@ class FlowModule(L.LightningModule):
         )
         self.backbone = build_backbone(backbone)
         if init_from is not None:
-            from flowformer.models.checkpoint import load_backbone_weights
-
             report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
             log.info("initialised the backbone from %s: %s", init_from, report)
         self.val_names: list[str] = []
