@@ -239,3 +239,15 @@ def test_training_logs_loss_lr_visible_ratio_and_pictures(tmp_path):
     assert image_logger.images["train/block_mask"][0].shape == (H, W, 3)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.total_steps == 2 + 100 and scheduler.optimizer.defaults["weight_decay"] == 1e-5
+
+
+def test_bf16_autocast_keeps_the_loss_and_targets_in_fp32():
+    module = make_module()
+    images = image_pair()
+    noise, uniform = draws(module)
+    reference = module.pretrain_step(*images, mask_noise=noise, query_uniform=uniform)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = module.pretrain_step(*images, mask_noise=noise, query_uniform=uniform, keep_rounds=1)
+    assert mixed.loss.dtype == torch.float32 and mixed.targets[0].dtype == torch.float32
+    assert abs(mixed.loss.item() - reference.loss.item()) < 0.02 * reference.loss.item()
+    mixed.loss.backward()

@@ -180,6 +180,7 @@ def reconstruction_loss(
             f"reconstruction head output {tuple(prediction.shape)} does not match the target "
             f"{tuple(target.shape)}; backbone.recon_size must match the head (S^2 channels per cost head)."
         )
+    prediction, target = prediction.float(), target.float()  # fp32 under bf16 autocast: cost values are ~1e2
     if normalize == "target":
         return ((prediction - normalize_per_pixel(target)) ** 2).mean()
     if normalize == "prediction":
