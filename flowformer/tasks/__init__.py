@@ -42,6 +42,9 @@ def run_task(cfg: DictConfig) -> float | None:
     if task not in TASKS:
         raise SystemExit(f"error: task={task!r} is unknown; choose one of {', '.join(TASKS)}")
     module = importlib.import_module(f"flowformer.tasks.{task}")
+    if logging.getLogger().handlers:
+        # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line.
+        logging.getLogger("lightning").handlers.clear()
     try:
         return module.run(cfg)
     except Exception as error:
