@@ -232,3 +232,17 @@ def test_chunked_and_checkpointed_tokenization_is_equivalent(masked: bool) -> No
     assert torch.allclose(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="tokenize_chunk"):
         build(tokenize_chunk=0)
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"cost_heads": 2}, {"agt_depth": 2, "num_latent_tokens": 2}, {"context_proj_dim": 0}]
+)
+def test_swept_knobs_build_and_run(knobs: dict) -> None:
+    net = build(**knobs).eval()
+    with torch.no_grad():
+        feat1, feat2, context = net.encode_images(*images())
+        cost_maps = net.cost_volume(feat1, feat2)
+        assert cost_maps.shape[1] == knobs.get("cost_heads", 1)
+        memory = net.encode_cost(cost_maps, context)
+        assert memory.shape[1] == knobs.get("num_latent_tokens", 4)
+        assert net(*images(), iters=1)["flow"].shape == (1, 2, H, W)

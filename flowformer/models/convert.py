@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
+from omegaconf import OmegaConf
 
 from flowformer.models.checkpoint import export_official, load_backbone, load_official, save_backbone
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     knobs: dict = {}
     if args.backbone is not None:
-        knobs = yaml.safe_load(args.backbone.read_text())
+        knobs = OmegaConf.to_container(OmegaConf.load(args.backbone), resolve=True)
         knobs.pop("_target_", None)
     variant = args.variant or knobs.pop("variant", "flowformer")
     knobs.pop("variant", None)
