@@ -224,3 +224,16 @@ def test_color_jitter_ops_match_torchvision_on_pil() -> None:
         assert np.abs(np.asarray(expected).astype(int) - ours).max() <= 1
     hue_diff = np.abs(np.asarray(tvf.adjust_hue(pil, -0.13)).astype(int) - _shift_hue(img, -0.13))
     assert hue_diff.mean() < 2.0
+
+
+def test_worker_rng_is_reproducible_per_seed_and_distinct_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowformer.data import transforms
+
+    def draws(seed: int, rank: int) -> np.ndarray:
+        monkeypatch.setattr(transforms, "_global_rank", lambda: rank)
+        torch.manual_seed(seed)
+        return transforms.WorkerRNG().get().random(4)
+
+    np.testing.assert_array_equal(draws(7, 0), draws(7, 0))
+    assert not np.array_equal(draws(7, 0), draws(7, 1))
+    assert not np.array_equal(draws(7, 0), draws(8, 0))

@@ -33,24 +33,32 @@ __all__ = [
 
 
 class WorkerRNG:
-    """A numpy ``Generator`` per process, seeded from ``torch.initial_seed()``.
+    """A numpy ``Generator`` per process, seeded from ``torch.initial_seed()`` and the DDP rank.
 
     In a DataLoader worker ``torch.initial_seed()`` is ``base_seed + worker_id``, where ``base_seed`` is drawn
     anew from the main process's torch RNG for every epoch's iterator: every worker gets its own stream and
-    no epoch replays the previous one. In the main process (``num_workers=0``) the seed is the global torch
-    seed (``seed_everything``), and the stream simply continues across epochs.
+    no epoch replays the previous one. The global rank is mixed in because ``seed_everything`` gives every
+    DDP rank the same torch seed. In the main process (``num_workers=0``) the seed is the global torch seed,
+    and the stream simply continues across epochs.
     """
 
     def __init__(self) -> None:
-        self._seed: int | None = None
+        self._key: tuple[int, int] | None = None
         self._generator: np.random.Generator | None = None
 
     def get(self) -> np.random.Generator:
-        seed = torch.initial_seed()
-        if self._generator is None or seed != self._seed:
-            self._generator = np.random.default_rng(np.random.SeedSequence(seed))
-            self._seed = seed
+        key = (torch.initial_seed(), _global_rank())
+        if self._generator is None or key != self._key:
+            self._generator = np.random.default_rng(np.random.SeedSequence(key))
+            self._key = key
         return self._generator
+
+
+def _global_rank() -> int:
+    """The DDP rank (forked DataLoader workers inherit the process group), 0 without distributed training."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
 
 
 class ColorJitter:
