@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.models import save_backbone
-from flowformer.tasks import bench, infer
+from flowformer.tasks import bench, infer, run_task
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
@@ -73,3 +73,15 @@ def test_bench_reports_time_and_memory(tmp_path):
     seconds = bench.run(cfg)
     report = json.loads((tmp_path / "bench.json").read_text())
     assert seconds > 0 and report["mean_s"] == seconds and report["peak_rss_mib"] > 0
+
+
+def test_unreadable_image_is_one_clear_message(tmp_path, checkpoint, capsys):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    cfg = config("task=infer", f"infer.input=[{broken},{broken}]", f"infer.checkpoint={checkpoint}",
+                 "infer.device=cpu", f"infer.output_dir={tmp_path / 'out'}")
+    with pytest.raises(SystemExit) as exit_info:
+        run_task(cfg)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "error (FlowFileError)" in err and str(broken) in err
