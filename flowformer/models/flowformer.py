@@ -168,10 +168,24 @@ class FlowFormer(nn.Module):
         """cost_maps [B*H1*W1, heads, H1, W1], context [B, C, H1, W1] -> cost memory [B*H1*W1, K, D]."""
         return self.memory_encoder.cost_perceiver_encoder(cost_maps, context, token_mask)
 
-    def query_cost_memory(self, cost_memory: Tensor, cost_maps: Tensor, coords: Tensor) -> Tensor:
-        """Cost query at coords [B, 2, H1, W1] (1/8-res target pixels, x first) -> cost_global [B, Q, H1, W1]."""
+    def query_cost_memory(
+        self,
+        cost_memory: Tensor,
+        cost_maps: Tensor,
+        coords: Tensor,
+        memory_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Cost query at coords [B, 2, H1, W1] (1/8-res target pixels, x first) -> cost_global [B, Q, H1, W1].
+
+        memory_kv: `cost_memory_kv(cost_memory)`, passed to reuse the keys/values over many queries of one cost
+        memory (MCVA's query rounds, as the official code does); computed here when None."""
         decoder = self.memory_decoder
-        return decoder.query(decoder.memory_kv(cost_memory), cost_maps, coords)[0]
+        kv = decoder.memory_kv(cost_memory) if memory_kv is None else memory_kv
+        return decoder.query(kv, cost_maps, coords)[0]
+
+    def cost_memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
+        """cost memory [B*H1*W1, K, D] -> the decoder's keys and values [B*H1*W1, K, Q]."""
+        return self.memory_decoder.memory_kv(cost_memory)
 
     def decode(
         self,

@@ -237,6 +237,7 @@ def mcva_forward(
     token_mask = mask_generator.token_mask(mask_noise.to(cost_maps.device))
     cost_memory = net.encode_cost(cost_maps, context, token_mask=token_mask)  # [B*H1*W1, K, D]
 
+    memory_kv = net.cost_memory_kv(cost_memory)  # computed once, reused by every round (SPEC §5.5 step 4)
     recon_size = net.config["recon_size"]
     targets_raw_src = cost_maps.detach()
     total = torch.zeros((), device=cost_maps.device, dtype=torch.float32)
@@ -251,7 +252,7 @@ def mcva_forward(
             device=cost_maps.device,
         )
         target = sample_cost_window(targets_raw_src, coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
-        cost_global = net.query_cost_memory(cost_memory, cost_maps, coords)  # [B, query_dim, H1, W1]
+        cost_global = net.query_cost_memory(cost_memory, cost_maps, coords, memory_kv)  # [B, Q, H1, W1]
         prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
         round_loss = reconstruction_loss(prediction, target, normalize=normalize)
         total = total + round_loss  # summed left to right from 0, as the official loop (SPEC §5.5)
