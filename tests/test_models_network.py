@@ -95,6 +95,8 @@ def test_warm_start_changes_the_result(tiny: FlowFormer) -> None:
     assert (warm - cold).abs().mean() > 0.5  # the 1/8 flow starts from flow_init, not from zero
     with pytest.raises(ValueError, match="flow_init"):
         tiny(*images(), iters=1, flow_init=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(ValueError, match="at least one refinement iteration"):
+        tiny(*images(), iters=0)
 
 
 @pytest.mark.parametrize("size", [(60, 96), (64, 90)])

@@ -148,7 +148,7 @@ class LocalWindowAttention(nn.Module):
 
     def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int) -> None:
         super().__init__()
-        self.dim, self.c = dim, context_proj_dim
+        self.c = context_proj_dim
         if context_proj_dim > 0:
             self.context_proj = nn.Linear(context_dim, context_proj_dim)
         self.q = nn.Linear(dim + context_proj_dim, dim)
@@ -197,7 +197,7 @@ class GlobalSubsampledAttention(nn.Module):
 
     def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool = True) -> None:
         super().__init__()
-        self.dim, self.c, self.key_pe = dim, context_proj_dim, key_pe
+        self.c, self.key_pe = context_proj_dim, key_pe
         if context_proj_dim > 0:
             self.context_proj = nn.Linear(context_dim, context_proj_dim)
         self.q = nn.Linear(dim + context_proj_dim, dim)

@@ -54,9 +54,16 @@ class CostQueryAttention(nn.Module):
 
 
 class MemoryDecoderLayer(nn.Module):
-    def __init__(self, **kwargs) -> None:
+    """Holder that gives the cost-query attention its official key prefix `decoder_layer.cross_attend.`."""
+
+    def __init__(self, *, query_dim: int, memory_dim: int, concat_shortcut: bool, query_source: str) -> None:
         super().__init__()
-        self.cross_attend = CostQueryAttention(**kwargs)
+        self.cross_attend = CostQueryAttention(
+            query_dim=query_dim,
+            memory_dim=memory_dim,
+            concat_shortcut=concat_shortcut,
+            query_source=query_source,
+        )
 
 
 class RelPosEmb(nn.Module):
@@ -251,6 +258,10 @@ class MemoryDecoder(nn.Module):
         iters: int,
         flow_init: Tensor | None = None,
     ) -> list[tuple[Tensor, Tensor]]:
+        if iters < 1:
+            raise ValueError(
+                f"the decoder needs at least one refinement iteration (iters / decoder_iters), got {iters}"
+            )
         batch, _, h1, w1 = context.shape
         coords0 = coords_grid(batch, h1, w1, device=context.device)
         coords1 = coords0.clone()

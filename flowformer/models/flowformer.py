@@ -220,7 +220,9 @@ class FlowFormer(nn.Module):
         feat1, feat2, context = self.encode_images(image1, image2)
         cost_maps = self.cost_volume(feat1, feat2)
         cost_memory = self.encode_cost(cost_maps, context)
-        steps = self.decode(cost_memory, cost_maps, context, iters or self.decoder_iters, flow_init)
+        steps = self.decode(
+            cost_memory, cost_maps, context, self.decoder_iters if iters is None else iters, flow_init
+        )
         out: dict[str, Tensor | list[Tensor]] = {"flow": steps[-1][0], "flow_low": steps[-1][1]}
         if self.training:
             out["flow_predictions"] = [flow_up for flow_up, _ in steps]
