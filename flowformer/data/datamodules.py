@@ -13,13 +13,21 @@ validation runs at batch 1 by default because validation images differ in size (
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["FlowDataModule", "PretrainDataModule"]
+
+log = logging.getLogger(__name__)
+
+
+def _describe(dataset: Dataset) -> str:
+    """``WeightedConcatDataset.describe()`` where available, else the class name and size."""
+    describe = getattr(dataset, "describe", None)
+    return describe() if callable(describe) else f"{type(dataset).__name__} ({len(dataset)} items)"
 
 
 def _check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
@@ -107,12 +115,11 @@ class FlowDataModule(L.LightningDataModule):
             for dataset in self.val_sets.values()
         ]
 
-    def describe(self) -> dict[str, Any]:
-        """Sizes of every dataset, for logs: ``{"train": n, "val": {name: n}}``."""
-        return {
-            "train": None if self.train_set is None else len(self.train_set),
-            "val": {name: len(dataset) for name, dataset in self.val_sets.items()},
-        }
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            log.info("training data: %s", _describe(self.train_set))
+        for name, dataset in self.val_sets.items():
+            log.info("validation set %s: %s", name, _describe(dataset))
 
 
 class PretrainDataModule(L.LightningDataModule):
@@ -141,6 +148,9 @@ class PretrainDataModule(L.LightningDataModule):
     @property
     def val_names(self) -> list[str]:
         return []
+
+    def setup(self, stage: str) -> None:
+        log.info("pretraining data: %s", _describe(self.train_set))
 
     def train_dataloader(self) -> DataLoader:
         if len(self.train_set) < self.batch_size:
