@@ -242,7 +242,7 @@ _THINGS_DIRECTIONS = ("into_future", "into_past")
 
 
 class FlyingThings3D(FlowDataset):
-    """FlyingThings3D (subset-free release), left camera, both temporal directions.
+    """FlyingThings3D (the full release, not the DispNet/FlowNet2.0 subset), left camera, both directions.
 
     Expected tree::
 
