@@ -177,7 +177,7 @@ def test_clear_errors_for_a_backbone_without_head_and_for_bad_sizes():
 def test_panels_show_patches_transposed_and_blocks_as_colours():
     predictions = torch.arange(9.0).reshape(1, 9, 1, 1).expand(1, 9, 5, 5)
     panel = patch_panel(predictions, predictions, num_pixels=2)
-    assert panel.dtype == np.uint8 and panel.shape == (2 * 3 * 8, 7 * 8, 3)
+    assert panel.dtype == np.uint8 and panel.shape == (7 * 8, 7 * 8, 3)
     # channel k = i*3 + j with i the x offset: the row below the top-left (y=1, x=0) holds channel 1
     assert panel[8, 0, 0] == int(255 * 1 / 8) and panel[0, 8, 0] == int(255 * 3 / 8)
     removed = torch.zeros(4 * 6, 4)
@@ -235,7 +235,7 @@ def test_training_logs_loss_lr_visible_ratio_and_pictures(tmp_path):
     assert image_logger.metrics["train/visible_ratio"] == 0.5
     assert 0 < image_logger.metrics["train/lr"] < 5e-4
     assert len(image_logger.images["train/recon_patches"]) == 2
-    assert image_logger.images["train/recon_patches"][0].shape == (3 * 15 * 8, 31 * 8, 3)
+    assert image_logger.images["train/recon_patches"][0].shape == (47 * 8, 31 * 8, 3)
     assert image_logger.images["train/block_mask"][0].shape == (H, W, 3)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.total_steps == 2 + 100 and scheduler.optimizer.defaults["weight_decay"] == 1e-5

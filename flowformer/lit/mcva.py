@@ -28,7 +28,7 @@ PANEL_ZOOM = 8  # nearest-neighbour magnification of the logged patches and mask
 
 
 def patch_panel(predictions: Tensor, targets: Tensor, *, num_pixels: int = 4) -> np.ndarray:
-    """Target next to prediction for a few source pixels of sample 0 -> uint8 [rows*S*z, (2S+1)*z, 3].
+    """Target next to prediction for a few source pixels of sample 0 -> uint8 [(n(S+1)-1)*z, (2S+1)*z, 3].
 
     predictions, targets [B, S^2, H1, W1] with the official x-major window layout (channel k = i*S + j, i the
     x offset, j the y offset; SPEC §9.1.2), so each patch is shown transposed to (y, x). Every patch is scaled
@@ -44,8 +44,9 @@ def patch_panel(predictions: Tensor, targets: Tensor, *, num_pixels: int = 4) ->
             patch = values.float().reshape(size, size).T  # [x, y] -> [y, x]
             patch = (patch - patch.min()) / (patch.max() - patch.min()).clamp_min(1e-12)
             pair.append(patch)
-        gap = torch.ones(size, 1)
-        rows.append(torch.cat([pair[0], gap, pair[1]], dim=1))
+        if rows:
+            rows.append(torch.ones(1, 2 * size + 1))  # white line between source pixels
+        rows.append(torch.cat([pair[0], torch.ones(size, 1), pair[1]], dim=1))
     grey = torch.cat(rows, dim=0).repeat_interleave(PANEL_ZOOM, 0).repeat_interleave(PANEL_ZOOM, 1)
     return (grey.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(-1).expand(-1, -1, 3).cpu().numpy()
 
