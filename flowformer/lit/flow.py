@@ -118,7 +118,7 @@ class FlowModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """One FlowMetrics per validation set, named after the datamodule's `val_names`."""
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self.trainer, "datamodule", None)
         names = list(getattr(datamodule, "val_names", []) or [])
         if names and names != self.val_names:
             self.val_names = names
