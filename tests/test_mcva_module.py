@@ -251,3 +251,19 @@ def test_bf16_autocast_keeps_the_loss_and_targets_in_fp32():
     assert mixed.loss.dtype == torch.float32 and mixed.targets[0].dtype == torch.float32
     assert abs(mixed.loss.item() - reference.loss.item()) < 0.02 * reference.loss.item()
     mixed.loss.backward()
+
+
+def test_draws_differ_between_ranks_and_resume_from_checkpoint(monkeypatch):
+    images = image_pair()
+    module = make_module()
+    checkpoint: dict = {}
+    module.pretrain_step(*images)
+    module.on_save_checkpoint(checkpoint)
+    continued = module.pretrain_step(*images)
+    resumed = make_module()
+    resumed.load_state_dict(module.state_dict())
+    resumed.on_load_checkpoint(checkpoint)
+    assert torch.equal(resumed.pretrain_step(*images).round_losses, continued.round_losses)
+    rank0 = make_module()._generator("mask", "cpu").initial_seed()
+    monkeypatch.setattr(MCVAPretrainModule, "global_rank", property(lambda self: 1))
+    assert make_module()._generator("mask", "cpu").initial_seed() != rank0

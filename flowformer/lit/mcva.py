@@ -135,6 +135,8 @@ class MCVAPretrainModule(L.LightningModule):
         self.mask_generator = CostMaskGenerator(
             strategy=masking, mask_ratio=mask_ratio, min_block=min_block, max_block=max_block
         )
+        self._rngs: dict[str, torch.Generator] = {}
+        self._pending_rng_states: dict[str, Tensor] = {}
         self.frozen_modules: list[nn.Module] = []
         if freeze_image_encoder:
             self.frozen_modules += list(self.backbone.feature_encoder_modules())
@@ -180,10 +182,14 @@ class MCVAPretrainModule(L.LightningModule):
         h1, w1 = height // 8, width // 8
         hp = self.hparams
         if mask_noise is None:
-            mask_noise = self.mask_generator.noise(batch, h1, w1)
+            mask_noise = self.mask_generator.noise(batch, h1, w1, generator=self._generator("mask", "cpu"))
         if query_uniform is None and hp.recon_location == "random":
+            rng = self._generator("query", image1.device)
             query_uniform = torch.stack(
-                [torch.rand(batch, 2, h1, w1, device=image1.device) for _ in range(hp.query_num)]
+                [
+                    torch.rand(batch, 2, h1, w1, device=image1.device, generator=rng)
+                    for _ in range(hp.query_num)
+                ]
             )
         return mcva_forward(
             self.backbone,
@@ -197,6 +203,29 @@ class MCVAPretrainModule(L.LightningModule):
             normalize=hp.normalize,
             keep_rounds=keep_rounds,
         )
+
+    def _generator(self, stream: str, device: torch.device | str) -> torch.Generator:
+        """The random stream of the masks ("mask", CPU) or of the query locations ("query", the images' device).
+
+        Seeded from the run seed (torch.initial_seed()) and the global rank, so DDP processes draw different
+        masks for their different images; the states travel with checkpoints, so a resumed run continues them.
+        """
+        device = torch.device(device)
+        if stream not in self._rngs or self._rngs[stream].device != device:
+            offset = {"mask": 0, "query": 1}[stream]
+            seed = (torch.initial_seed() + 1_000_003 * self.global_rank + offset) % 2**63
+            generator = torch.Generator(device=device).manual_seed(seed)
+            if stream in self._pending_rng_states:
+                generator.set_state(self._pending_rng_states.pop(stream))
+            self._rngs[stream] = generator
+        return self._rngs[stream]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["mcva_rng_states"] = {name: rng.get_state() for name, rng in self._rngs.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._rngs = {}
+        self._pending_rng_states = dict(checkpoint.get("mcva_rng_states", {}))
 
     def _should_log_images(self) -> bool:
         every = self.hparams.log_images_every_n_steps
