@@ -103,7 +103,8 @@ class CostMaskGenerator:
 
     def noise(self, batch: int, h1: int, w1: int, *, generator: torch.Generator | None = None) -> Tensor:
         """-> noise [B, H1, W1, L] (CPU float32), L = H3*W3 cost-map tokens per source pixel."""
-        num_tokens = cost_token_grid(h1, w1)[0] * cost_token_grid(h1, w1)[1]
+        h3, w3 = cost_token_grid(h1, w1)
+        num_tokens = h3 * w3
         if self.strategy == "random":
             return torch.rand(batch, h1, w1, num_tokens, generator=generator)
         noise, _ = block_sharing_noise(
@@ -134,7 +135,8 @@ def recon_locations(
     """Where each source pixel's cost map is queried and reconstructed, in 1/8-res target-map pixels.
 
     random (SPEC §5.5 step 1, no_border=True): uniform [B, 2, H1, W1] (channel 0 = x, 1 = y) ->
-        x = u_x * (W1 - S) + S // 2, y = u_y * (H1 - S) + S // 2, so the S x S window lies inside the map.
+        x = u_x * (W1 - S) + S // 2, y = u_y * (H1 - S) + S // 2, so the S x S window lies inside the map
+        (maps smaller than S, e.g. tiny test images, get windows that reach into the zero padding).
     fixed (the paper's MAE-style ablation row): every source pixel at its own position (x1, y1), the zero-flow
         location the decoder starts from in finetuning; `uniform` must be None.
     -> coords [B, 2, H1, W1] (x, y).
