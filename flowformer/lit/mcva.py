@@ -177,7 +177,8 @@ class MCVAPretrainModule(L.LightningModule):
         if height % 8 or width % 8:
             raise ValueError(
                 f"MCVA pretraining needs image sides that are multiples of 8, got {height}x{width}; "
-                "crop the pretraining data (data.crop_size) to multiples of 8."
+                "crop the pretraining data to multiples of 8 (data.train.augmentor.crop_size, or data.train.size for "
+                "synthetic clips)."
             )
         h1, w1 = height // 8, width // 8
         hp = self.hparams
