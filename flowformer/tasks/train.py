@@ -51,7 +51,7 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     if score is None:
         score = trainer.callback_metrics.get(monitor)
     value = None if score is None else float(score)
-    if trainer.checkpoint_callback is not None:
+    if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.last_model_path:
         log.info("best checkpoint: %s", trainer.checkpoint_callback.best_model_path)
         log.info("last checkpoint: %s", trainer.checkpoint_callback.last_model_path)
     log.info("%s = %s", monitor, value)
