@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from flowformer.eval.padding import InputPadder
 from flowformer.lit.images import image_api, log_images
-from flowformer.lit.optim import adamw_onecycle
+from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.losses import sequence_loss
 from flowformer.metrics import FlowMetrics
 from flowformer.models.checkpoint import load_backbone_weights
@@ -156,7 +156,9 @@ class FlowModule(L.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        )
         check_finite(grad_norm, "gradient norm", self.global_step)
         self.log("train/grad_norm", grad_norm)
 
@@ -185,19 +187,10 @@ class FlowModule(L.LightningModule):
             metric.reset()
 
     def configure_optimizers(self) -> dict:
-        total_steps = self.hparams.total_steps
-        if total_steps is None:
-            max_steps = self.trainer.max_steps
-            if max_steps is None or max_steps < 1:
-                raise ValueError(
-                    "model.total_steps is null, so it is derived from trainer.max_steps + 100, but "
-                    f"trainer.max_steps is {max_steps}; set trainer.max_steps (or model.total_steps)"
-                )
-            total_steps = max_steps + 100
-        return adamw_onecycle(
-            self.backbone.parameters(),
+        return configure_adamw_onecycle(
+            self,
             lr=self.hparams.lr,
             weight_decay=self.hparams.weight_decay,
-            total_steps=total_steps,
+            total_steps=self.hparams.total_steps,
             pct_start=self.hparams.pct_start,
         )

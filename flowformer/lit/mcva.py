@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.lit.flow import build_backbone, check_finite, plain_backbone_config
-from flowformer.lit.optim import adamw_onecycle
+from flowformer.lit.images import image_api, log_images
+from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.models.mcva import (
     CostMaskGenerator,
     MaskingStrategy,
@@ -230,12 +231,12 @@ class MCVAPretrainModule(L.LightningModule):
 
     def _should_log_images(self) -> bool:
         every = self.hparams.log_images_every_n_steps
-        return bool(every) and self.global_step % every == 0 and any(_image_api(lg) for lg in self.loggers)
+        return bool(every) and self.global_step % every == 0 and any(image_api(lg) for lg in self.loggers)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         image1, image2 = batch["img1"], batch["img2"]
-        log_images = self._should_log_images()
-        output = self.pretrain_step(image1, image2, keep_rounds=1 if log_images else 0)
+        with_images = self._should_log_images()
+        output = self.pretrain_step(image1, image2, keep_rounds=1 if with_images else 0)
         check_finite(output.loss.detach(), "MCVA loss", self.global_step)
         batch_size = image1.shape[0]
         self.log("train/loss", output.loss, prog_bar=True, batch_size=batch_size)
@@ -243,51 +244,25 @@ class MCVAPretrainModule(L.LightningModule):
         self.log("train/visible_ratio", output.token_mask.visible_ratio, batch_size=batch_size)
         if self._trainer is not None and self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
-        if log_images:
+        if with_images:
             h1, w1 = image1.shape[-2] // 8, image1.shape[-1] // 8
-            self._log_images(
+            log_images(
+                self.loggers,
                 {
                     "train/recon_patches": patch_panel(
                         output.predictions[0], output.targets[0], num_pixels=self.hparams.num_logged_patches
                     ),
                     "train/block_mask": mask_panel(output.token_mask.removed, h1, w1),
-                }
+                },
+                self.global_step,
             )
         return output.loss
 
-    def _log_images(self, images: dict[str, np.ndarray]) -> None:
-        for logger in self.loggers:
-            api = _image_api(logger)
-            if api == "log_image":
-                for key, image in images.items():
-                    logger.log_image(key=key, images=[image], step=self.global_step)
-            elif api == "add_image":
-                for key, image in images.items():
-                    logger.experiment.add_image(key, image, self.global_step, dataformats="HWC")
-
     def configure_optimizers(self) -> dict:
-        total_steps = self.hparams.total_steps
-        if total_steps is None:
-            max_steps = self.trainer.max_steps
-            if max_steps is None or max_steps < 1:
-                raise ValueError(
-                    "model.total_steps is null, so it is derived from trainer.max_steps + 100, but "
-                    f"trainer.max_steps is {max_steps}; set trainer.max_steps (or model.total_steps)"
-                )
-            total_steps = max_steps + 100
-        return adamw_onecycle(
-            self.backbone.parameters(),
+        return configure_adamw_onecycle(
+            self,
             lr=self.hparams.lr,
             weight_decay=self.hparams.weight_decay,
-            total_steps=total_steps,
+            total_steps=self.hparams.total_steps,
             pct_start=self.hparams.pct_start,
         )
-
-
-def _image_api(logger: Any) -> str | None:
-    """'log_image' (wandb-style loggers), 'add_image' (TensorBoard) or None (no image support, e.g. CSV)."""
-    if callable(getattr(logger, "log_image", None)):
-        return "log_image"
-    if callable(getattr(getattr(logger, "experiment", None), "add_image", None)):
-        return "add_image"
-    return None

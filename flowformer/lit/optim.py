@@ -29,3 +29,25 @@ def adamw_onecycle(
         anneal_strategy="linear",
     )
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def configure_adamw_onecycle(
+    module, *, lr: float, weight_decay: float, total_steps: int | None, pct_start: float = 0.05
+) -> dict:
+    """`adamw_onecycle` over `module.backbone`; total_steps None takes trainer.max_steps + 100 as the official
+    loops do (SPEC §5.6, §6.2)."""
+    if total_steps is None:
+        max_steps = module.trainer.max_steps
+        if max_steps is None or max_steps < 1:
+            raise ValueError(
+                "model.total_steps is null, so it is derived from trainer.max_steps + 100, but "
+                f"trainer.max_steps is {max_steps}; set trainer.max_steps (or model.total_steps)"
+            )
+        total_steps = max_steps + 100
+    return adamw_onecycle(
+        module.backbone.parameters(),
+        lr=lr,
+        weight_decay=weight_decay,
+        total_steps=total_steps,
+        pct_start=pct_start,
+    )
