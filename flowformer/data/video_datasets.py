@@ -104,6 +104,8 @@ class _PairDataset(Dataset):
         self.max_skips = max_skips
         self.pairs: list[_Pair] = []
         self._rng = WorkerRNG()
+        if not self.root.is_dir():
+            self._fail("the dataset root does not exist")
 
     def _fail(self, problem: str) -> NoReturn:
         raise DatasetRootError(type(self), self.root, problem, alternative=self.alternative)
@@ -186,8 +188,6 @@ class YouTubeVOS(_PairDataset):
         max_skips: int = 100,
     ) -> None:
         super().__init__(root=root, augmentor=augmentor, max_skips=max_skips)
-        if not self.root.is_dir():
-            self._fail("the dataset root does not exist")
         if isinstance(splits, str) or not splits:
             raise ValueError(f"YouTubeVOS: splits must be a non-empty list of folder names, got {splits!r}")
         for split in splits:
@@ -238,8 +238,6 @@ class VideoFolder(_PairDataset):
         max_skips: int = 100,
     ) -> None:
         super().__init__(root=root, augmentor=augmentor, max_skips=max_skips)
-        if not self.root.is_dir():
-            self._fail("the dataset root does not exist")
         folders = [self.root, *sorted(p for p in self.root.rglob("*") if p.is_dir())]
         for folder in folders:
             video = folder.relative_to(self.root).as_posix() or "."
