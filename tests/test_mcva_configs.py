@@ -1,28 +1,15 @@
 """experiment=mcva_pretrain is the official recipe, and every MCVA ablation knob is selectable from the command
 line and through the conf/sweep/mcva_*.yaml grids (each value reaches the module or the backbone)."""
 
-from pathlib import Path
-
 import hydra
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from compose_helper import compose_run_config
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 TINY_CPU = ["backbone=tiny", "data=synthetic_video", "trainer=cpu"]
 
 
-def _compose(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(
-            "config",
-            overrides=["paths.root_dir=/root", "paths.output_dir=/out", *overrides],
-            return_hydra_config=True,
-        )
-
-
 def test_mcva_pretrain_is_the_official_recipe():
-    cfg = _compose(["experiment=mcva_pretrain"])
+    cfg = compose_run_config(["experiment=mcva_pretrain"])
     assert cfg.task == "pretrain"
     assert cfg.backbone.variant == "flowformer_pp" and cfg.backbone.image_encoder == "twins"
     assert cfg.backbone.twins_weights == "/root/checkpoints/twins_svt_large.pth"
@@ -45,7 +32,7 @@ def test_mcva_pretrain_is_the_official_recipe():
 
 
 def test_cpu_variant_of_the_experiment_drops_the_twins_weights():
-    cfg = _compose(["experiment=mcva_pretrain", *TINY_CPU, "data.batch_size=2"])
+    cfg = compose_run_config(["experiment=mcva_pretrain", *TINY_CPU, "data.batch_size=2"])
     assert cfg.backbone.image_encoder == "cnn" and cfg.backbone.twins_weights is None
     module = hydra.utils.instantiate(cfg.model)
     assert module.backbone.config["variant"] == "flowformer_pp" and module.hparams.query_num == 30
@@ -69,7 +56,7 @@ SWEEPS = {
 
 @pytest.mark.parametrize("sweep", sorted(SWEEPS))
 def test_sweep_grids_list_the_paper_values_and_each_value_takes_effect(sweep):
-    cfg = _compose(["experiment=mcva_pretrain", f"sweep={sweep}"])
+    cfg = compose_run_config(["experiment=mcva_pretrain", f"sweep={sweep}"])
     assert cfg.hydra.mode.name == "MULTIRUN"
     params = {key: str(value) for key, value in cfg.hydra.sweeper.params.items()}
     expected = SWEEPS[sweep]
@@ -78,7 +65,7 @@ def test_sweep_grids_list_the_paper_values_and_each_value_takes_effect(sweep):
         for value in values:
             override = f"{key}={str(value).lower()}"
             module = hydra.utils.instantiate(
-                _compose(["experiment=mcva_pretrain", *TINY_CPU, override]).model
+                compose_run_config(["experiment=mcva_pretrain", *TINY_CPU, override]).model
             )
             group, name = key.split(".")
             actual = module.hparams[name] if group == "model" else module.backbone.config[name]

@@ -6,13 +6,10 @@ import cv2
 import hydra
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from compose_helper import compose_run_config
 
 from flowformer.data.io import write_flo, write_kitti_flow
 from flowformer.lit.flow import FlowModule
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 # stage -> (data, lr, weight decay, steps, batch, {variant: gamma}, validation sets)  (SPEC §6.1, §6.3)
 STAGES = {
@@ -41,20 +38,11 @@ STAGES = {
 PREVIOUS = {"things": "chairs.pth", "sintel": "things.pth", "kitti": "sintel.pth"}
 
 
-def _compose(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(
-            "config",
-            overrides=["paths.root_dir=/root", "paths.output_dir=/out", *overrides],
-            return_hydra_config=True,
-        )
-
-
 @pytest.mark.parametrize("variant", ["flowformer", "flowformer_pp"])
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_stage_hyperparameters(stage: str, variant: str) -> None:
     data, lr, wd, steps, batch, gammas, val_sets = STAGES[stage]
-    cfg = _compose([f"experiment={stage}", f"backbone={variant}"])
+    cfg = compose_run_config([f"experiment={stage}", f"backbone={variant}"])
     assert cfg.backbone.variant == variant
     assert cfg.hydra.runtime.choices["data"] == data
     assert cfg.model._target_ == "flowformer.lit.flow.FlowModule"
@@ -77,24 +65,26 @@ def test_stage_hyperparameters(stage: str, variant: str) -> None:
         assert (init_from is None) == (variant == "flowformer")
     else:
         assert init_from == f"/root/checkpoints/{variant}/{PREVIOUS[stage]}"
-    override = _compose([f"experiment={stage}", f"backbone={variant}", "model.init_from=/ckpt/last.ckpt"])
+    override = compose_run_config(
+        [f"experiment={stage}", f"backbone={variant}", "model.init_from=/ckpt/last.ckpt"]
+    )
     assert override.model.init_from == "/ckpt/last.ckpt"
 
 
 def test_stage_augmentation_matches_spec() -> None:
     # (crop, min scale, max scale, flip) per stage, SPEC §6.3
-    chairs = _compose(["experiment=chairs"]).data.train.augmentor
+    chairs = compose_run_config(["experiment=chairs"]).data.train.augmentor
     assert (list(chairs.crop_size), chairs.min_scale, chairs.max_scale, chairs.do_flip) == (
         [368, 496],
         -0.1,
         1.0,
         True,
     )
-    things = _compose(["experiment=things"]).data.train
+    things = compose_run_config(["experiment=things"]).data.train
     assert list(things.passes) == ["clean", "final"]
     aug = things.augmentor
     assert (list(aug.crop_size), aug.min_scale, aug.max_scale, aug.do_flip) == ([432, 960], -0.4, 0.8, True)
-    kitti = _compose(["experiment=kitti"]).data.train.augmentor
+    kitti = compose_run_config(["experiment=kitti"]).data.train.augmentor
     assert kitti._target_.endswith("SparseFlowAugmentor")
     assert (list(kitti.crop_size), kitti.min_scale, kitti.max_scale, kitti.do_flip) == (
         [432, 960],
@@ -102,7 +92,7 @@ def test_stage_augmentation_matches_spec() -> None:
         0.4,
         False,
     )
-    mix = _compose(["experiment=sintel"]).data.train.parts
+    mix = compose_run_config(["experiment=sintel"]).data.train.parts
     assert [part.repeat for part in mix] == [100, 200, 5, 1]  # SPEC §8.3 (clean+final share the 100)
     scales = [(part.dataset.augmentor.min_scale, part.dataset.augmentor.max_scale) for part in mix]
     assert scales == [(-0.2, 0.6), (-0.3, 0.5), (-0.5, 0.2), (-0.2, 0.6)]
@@ -137,12 +127,16 @@ def test_stage_datamodules_instantiate_on_tiny_trees(tmp_path: Path) -> None:
             kitti / "flow_occ" / f"{i:06d}_10.png", rng.normal(size=(20, 40, 2)).astype(np.float32)
         )
 
-    chairs_dm = hydra.utils.instantiate(_compose(["experiment=chairs", f"paths.data_dir={tmp_path}"]).data)
+    chairs_dm = hydra.utils.instantiate(
+        compose_run_config(["experiment=chairs", f"paths.data_dir={tmp_path}"]).data
+    )
     assert _sizes(chairs_dm) == {"train": 2, "val": {"chairs": 1}}
     item = chairs_dm.val_sets["chairs"][0]
     assert item["img1"].shape == (3, 24, 32) and item["flow"].shape == (2, 24, 32)
 
-    kitti_dm = hydra.utils.instantiate(_compose(["experiment=kitti", f"paths.data_dir={tmp_path}"]).data)
+    kitti_dm = hydra.utils.instantiate(
+        compose_run_config(["experiment=kitti", f"paths.data_dir={tmp_path}"]).data
+    )
     assert _sizes(kitti_dm) == {"train": 2, "val": {"kitti": 2}}
     assert kitti_dm.batch_size == 6
 
@@ -150,7 +144,7 @@ def test_stage_datamodules_instantiate_on_tiny_trees(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_stage_model_instantiates(stage: str) -> None:
     """The stage's model config is a valid FlowModule (the tiny backbone stands in for the paper's)."""
-    cfg = _compose([f"experiment={stage}", "backbone=tiny", "model.init_from=null"])
+    cfg = compose_run_config([f"experiment={stage}", "backbone=tiny", "model.init_from=null"])
     module = hydra.utils.instantiate(cfg.model)
     assert isinstance(module, FlowModule)
     assert module.hparams.gamma == pytest.approx(STAGES[stage][5][cfg.backbone.variant])

@@ -1,0 +1,18 @@
+"""The resolved-config view the config tests share: `python run.py <overrides>` composed without running."""
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_run_config(overrides: list[str]) -> DictConfig:
+    """conf/config.yaml with overrides (and the hydra node, for sweeps), with fixed root and output paths."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(
+            "config",
+            overrides=["paths.root_dir=/root", "paths.output_dir=/out", *overrides],
+            return_hydra_config=True,
+        )
