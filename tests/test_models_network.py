@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torch.nn.functional import grid_sample
 
-from flowformer.models import FlowFormer, TokenMask, sample_cost_window
+from flowformer.models import FlowFormer, TokenMask, layers, sample_cost_window
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "backbone"
 H, W = 64, 96
@@ -248,3 +249,17 @@ def test_swept_knobs_build_and_run(knobs: dict) -> None:
         memory = net.encode_cost(cost_maps, context)
         assert memory.shape[1] == knobs.get("num_latent_tokens", 4)
         assert net(*images(), iters=1)["flow"].shape == (1, 2, H, W)
+
+
+def test_cost_window_sampling_in_chunks_equals_one_call(monkeypatch) -> None:
+    """Above GRID_SAMPLE_MAX_BATCH cost maps (cuDNN's limit) the window is sampled in chunks, same numbers."""
+    torch.manual_seed(0)
+    maps = torch.randn(2 * 5 * 6, 1, 5, 6)  # B=2, H1=5, W1=6
+    coords = torch.rand(2, 2, 5, 6) * 6 - 0.5
+    whole = sample_cost_window(maps, coords, radius=2)
+    monkeypatch.setattr(layers, "GRID_SAMPLE_MAX_BATCH", 7)  # 60 maps -> 9 chunks, the last one short
+    calls = []
+    monkeypatch.setattr(layers.F, "grid_sample", lambda *a, **k: calls.append(a[0].shape[0]) or grid_sample(*a, **k))
+    chunked = sample_cost_window(maps, coords, radius=2)
+    assert calls == [7] * 8 + [4]
+    assert torch.equal(chunked, whole)

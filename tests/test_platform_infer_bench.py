@@ -1,4 +1,5 @@
-"""task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output), task=bench on CPU."""
+"""task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output), task=bench (forward, train and
+MCVA pretrain steps) on CPU."""
 
 import json
 from pathlib import Path
@@ -7,6 +8,7 @@ import cv2
 import hydra
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from flowformer.data.io import read_flo, read_kitti_flow
@@ -73,6 +75,27 @@ def test_bench_reports_time_and_memory(tmp_path):
     seconds = bench.run(cfg)
     report = json.loads((tmp_path / "bench.json").read_text())
     assert seconds > 0 and report["mean_s"] == seconds and report["peak_rss_mib"] > 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "extra"), [("train", []), ("pretrain", ["model=mcva", "model.query_num=2"])]
+)
+def test_bench_training_modes_step_the_weights(mode, extra):
+    cfg = config(*extra, f"bench.mode={mode}", "bench.height=64", "bench.width=96", "bench.iters=2")
+    images = [torch.rand(2, 3, 64, 96) * 255 for _ in range(2)]
+    net, step = bench.build_step(cfg, torch.device("cpu"), *images)
+    trainable = {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad}
+    step()
+    changed = {n for n, p in net.named_parameters() if n in trainable and not torch.equal(p, trainable[n])}
+    assert changed and all(net.get_parameter(n).grad is not None for n in changed)
+    # MCVA keeps its image/context encoders frozen; a supervised step trains them
+    assert any(n.startswith("context_encoder.") for n in changed) == (mode == "train")
+
+
+def test_bench_rejects_pretrain_without_mcva():
+    cfg = config("bench.mode=pretrain")
+    with pytest.raises(ValueError, match="model=mcva"):
+        bench.build_step(cfg, torch.device("cpu"), torch.zeros(1, 3, 64, 96), torch.zeros(1, 3, 64, 96))
 
 
 def test_unreadable_image_is_one_clear_message(tmp_path, checkpoint, capsys):

@@ -1,4 +1,5 @@
-"""experiment=quickstart, shortened (2 steps per stage): pretrain -> finetune x2 -> eval -> metrics.json.
+"""experiment=quickstart, shortened (2 steps per stage): pretrain -> finetune (from MCVA and, with
+compare_from_scratch, from random weights) -> eval -> metrics.json.
 The full run (which must reach <= 50% of the zero-flow EPE) is `make demo`."""
 
 import json
@@ -18,6 +19,7 @@ def test_quickstart_chains_stages_and_writes_metrics(tmp_path):
             "quickstart.pretrain_steps=2",
             "quickstart.finetune_steps=2",
             "quickstart.max_epe_ratio=100",
+            "quickstart.compare_from_scratch=true",
             f"hydra.run.dir={tmp_path}",
         ],
         cwd=REPO,

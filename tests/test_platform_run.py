@@ -7,8 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from compose_helper import compose_run_config
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+
+from flowformer.tasks.runtime import build_callbacks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,3 +120,13 @@ def test_missing_dataset_root_is_one_clear_message(tmp_path):
 def test_unknown_task_is_refused(task, tmp_path):
     result = run_py(f"task={task}", f"hydra.run.dir={tmp_path}", expect_ok=False)
     assert result.returncode != 0 and "task='nonsense' is unknown" in result.stderr
+
+
+@pytest.mark.parametrize("bar", [True, False])
+def test_progress_bar_switch_drops_the_rich_bar(bar):
+    """trainer.enable_progress_bar=false alone works: Lightning refuses a RichProgressBar with the bar off."""
+    cfg = compose_run_config([f"trainer.enable_progress_bar={bar}"])
+    callbacks = build_callbacks(cfg)
+    assert any(isinstance(c, RichProgressBar) for c in callbacks) == bar
+    assert any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    L.Trainer(enable_progress_bar=bar, callbacks=callbacks, logger=False)  # refused before the fix

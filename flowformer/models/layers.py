@@ -39,16 +39,26 @@ def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
     )
 
 
+# cuDNN's grid sampler refuses batches this large (CUDNN_STATUS_NOT_SUPPORTED): on an H100, 24 x 46 x 62 =
+# 68448 cost maps (MCVA batch 24 at 368x496) failed and 34224 ran. Larger batches are sampled in chunks.
+GRID_SAMPLE_MAX_BATCH = 32768
+
+
 def bilinear_sample(maps: Tensor, coords: Tensor) -> Tensor:
     """maps [N, C, H, W], coords [N, h, w, 2] (x, y) pixels -> [N, C, h, w].
 
-    `grid_sample` with align_corners=True and zero padding, coordinates normalised as 2x/(W-1) - 1 (SPEC §10.3).
+    `grid_sample` with align_corners=True and zero padding, coordinates normalised as 2x/(W-1) - 1 (SPEC §10.3),
+    over at most GRID_SAMPLE_MAX_BATCH maps per call.
     """
     height, width = maps.shape[-2:]
     x, y = coords.split([1, 1], dim=-1)
     x = 2 * x / (width - 1) - 1
     y = 2 * y / (height - 1) - 1
-    return F.grid_sample(maps, torch.cat([x, y], dim=-1), align_corners=True)
+    grid = torch.cat([x, y], dim=-1)
+    if maps.shape[0] <= GRID_SAMPLE_MAX_BATCH:
+        return F.grid_sample(maps, grid, align_corners=True)
+    chunks = zip(maps.split(GRID_SAMPLE_MAX_BATCH), grid.split(GRID_SAMPLE_MAX_BATCH))
+    return torch.cat([F.grid_sample(m, g, align_corners=True) for m, g in chunks])
 
 
 def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -126,11 +127,16 @@ def record_wandb_id(loggers: list[Logger], checkpoint_dir: Path) -> None:
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    return [
+    """The configured callbacks; a progress bar is left out under trainer.enable_progress_bar=false (Lightning
+    refuses a progress-bar callback with the bar switched off)."""
+    callbacks = [
         hydra.utils.instantiate(callback_cfg)
         for callback_cfg in (cfg.get("callbacks") or {}).values()
         if callback_cfg is not None and "_target_" in callback_cfg
     ]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
+    return callbacks
 
 
 @rank_zero_only
