@@ -18,7 +18,7 @@ Definitions (SPEC §6.1, §7.1):
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import Metric
 
 SPEED_BINS: tuple[tuple[str, float, float], ...] = (
@@ -181,3 +181,40 @@ class KittiMetrics(Metric):
             "f1_all_per_image": 100.0 * self.img_f1_sum / images,
             "f1_all_pooled": 100.0 * self.px_outliers / pixels,
         }
+
+
+class ValidationMetrics(nn.Module):
+    """One validation set's metrics: `FlowMetrics` (pixel-pooled EPE, 1/3/5 px, F1-all) for every set; for a set
+    named `kitti`, also `KittiMetrics`, whose official averaging replaces `epe` (per image) and `f1_all`
+    (pooled), with the other averaging logged beside it (SPEC §7.1)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.flow = FlowMetrics()
+        self.kitti = KittiMetrics() if name == "kitti" else None
+
+    @property
+    def update_called(self) -> bool:
+        return self.flow.update_called
+
+    def update(self, pred: Tensor, gt: Tensor, valid: Tensor | None) -> None:
+        self.flow.update(pred, gt, valid)
+        if self.kitti is not None:
+            self.kitti.update(pred, gt, valid)
+
+    def compute(self) -> dict[str, Tensor]:
+        values = self.flow.compute()
+        if self.kitti is not None:
+            kitti = self.kitti.compute()
+            values |= {
+                "epe": kitti["epe_per_image"],
+                "epe_pooled": kitti["epe_pooled"],
+                "f1_all": kitti["f1_all_pooled"],
+                "f1_all_per_image": kitti["f1_all_per_image"],
+            }
+        return values
+
+    def reset(self) -> None:
+        self.flow.reset()
+        if self.kitti is not None:
+            self.kitti.reset()

@@ -9,10 +9,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from flowformer.data.synthetic import SyntheticFlowDataset
 from flowformer.lit.flow import FlowModule, NonFiniteLossError
+from flowformer.metrics import ValidationMetrics
 
 TINY = Path(__file__).resolve().parents[1] / "conf" / "backbone" / "tiny.yaml"
 SIZE = (64, 96)
@@ -148,3 +149,30 @@ def test_pixel_noise_stays_in_range_and_changes_images():
     noisy1, noisy2 = module._add_pixel_noise(image, image.clone())
     assert noisy1.min() >= 0 and noisy1.max() <= 255
     assert not torch.equal(noisy1, image) and not torch.equal(noisy1, noisy2)
+
+
+def test_kitti_validation_reports_the_official_averaging():
+    """val/kitti/epe is the per-image mean and val/kitti/f1_all pooled (SPEC §7.1); other sets pool the EPE."""
+    gt = torch.zeros(2, 2, 4, 4)
+    pred = torch.zeros_like(gt)
+    pred[0, 0], pred[1, 0] = 1.0, 10.0  # EPE 1 everywhere in image 0, 10 in image 1
+    valid = torch.zeros(2, 4, 4)
+    valid[0], valid[1, 0, 0] = 1.0, 1.0  # 16 valid pixels in image 0, one in image 1
+    kitti, sintel = ValidationMetrics("kitti"), ValidationMetrics("sintel_clean")
+    for metrics in (kitti, sintel):
+        metrics.update(pred, gt, valid)
+    k, s = kitti.compute(), sintel.compute()
+    assert float(k["epe"]) == pytest.approx((1 + 10) / 2)
+    assert float(k["epe_pooled"]) == pytest.approx(float(s["epe"])) == pytest.approx((16 + 10) / 17)
+    assert float(k["f1_all"]) == pytest.approx(100 / 17)  # the one EPE-10 pixel is the only outlier
+    assert float(k["f1_all_per_image"]) == pytest.approx(50.0)
+    assert "epe_pooled" not in s
+
+
+def test_validation_step_uses_the_kitti_metrics_for_a_kitti_set():
+    module = make_module()
+    module.val_names = ["kitti"]
+    batch = default_collate([SyntheticFlowDataset(num_samples=1, size=SIZE, seed=3)[0]])
+    module.validation_step(batch, batch_idx=0)
+    assert module.val_metrics["kitti"].update_called
+    assert set(module.val_metrics["kitti"].compute()) >= {"epe", "epe_pooled", "f1_all", "f1_all_per_image"}

@@ -16,7 +16,7 @@ from flowformer.eval.padding import InputPadder
 from flowformer.lit.images import image_api, log_images
 from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.losses import sequence_loss
-from flowformer.metrics import FlowMetrics
+from flowformer.metrics import ValidationMetrics
 from flowformer.models.checkpoint import load_backbone_weights
 from flowformer.viz import flow_panel
 
@@ -117,12 +117,12 @@ class FlowModule(L.LightningModule):
         self.val_metrics = nn.ModuleDict()
 
     def setup(self, stage: str) -> None:
-        """One FlowMetrics per validation set, named after the datamodule's `val_names`."""
+        """One ValidationMetrics per validation set, named after the datamodule's `val_names`."""
         datamodule = getattr(self.trainer, "datamodule", None)
         names = list(getattr(datamodule, "val_names", []) or [])
         if names and names != self.val_names:
             self.val_names = names
-            self.val_metrics = nn.ModuleDict({name: FlowMetrics() for name in names})
+            self.val_metrics = nn.ModuleDict({name: ValidationMetrics(name) for name in names})
 
     def forward(self, image1: Tensor, image2: Tensor, iters: int | None = None) -> dict[str, Tensor]:
         return self.backbone(image1, image2, iters=iters or self.hparams.val_iters)
@@ -165,7 +165,7 @@ class FlowModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.val_names[dataloader_idx] if self.val_names else "val"
         if name not in self.val_metrics:
-            self.val_metrics[name] = FlowMetrics().to(self.device)
+            self.val_metrics[name] = ValidationMetrics(name).to(self.device)
         image1, image2 = batch["img1"], batch["img2"]
         padder = InputPadder(image1.shape, mode="sintel")  # any size -> multiples of 8 (SPEC §7.2)
         output = self.backbone(*padder.pad(image1, image2), iters=self.hparams.val_iters)
