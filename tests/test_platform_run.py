@@ -54,15 +54,18 @@ def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
     run_id = (first / "checkpoints" / "wandb_run_id.txt").read_text().strip()
     assert list((first / "wandb").glob(f"offline-run-*-{run_id}"))
 
-    # ... and resuming from that checkpoint continues the step count and the same wandb run
+    # ... and resuming from that checkpoint continues the step count and the same wandb run; the stage's
+    # initialisation is not read again (the checkpoint holds the weights), so a moved init file does not matter
     run_py(
         "debug=tiny",
         "logger=wandb",
         f"hydra.run.dir={second}",
         f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        f"model.init_from={tmp_path / 'moved_away.ckpt'}",
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
     )
+    assert "model.init_from is not loaded" in (second / "run.log").read_text()
     resumed = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] == 4
     assert (second / "checkpoints" / "wandb_run_id.txt").read_text().strip() == run_id

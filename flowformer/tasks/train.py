@@ -37,6 +37,14 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
             interval = cfg.trainer.get("val_check_interval")
             checkpoint_cfg.every_n_train_steps = interval if isinstance(interval, int) else 1000
     log.info("monitored metric: %s (%s)", monitor, cfg.monitor_mode)
+    if cfg.get("ckpt_path") and cfg.model.get("init_from"):
+        log.info(
+            "resuming from %s: model.init_from is not loaded (%s); the checkpoint holds the weights",
+            cfg.ckpt_path,
+            cfg.model.init_from,
+        )
+        with open_dict(cfg):
+            cfg.model.init_from = None
 
     model = hydra.utils.instantiate(cfg.model)
     loggers = build_loggers(cfg, output_dir)
