@@ -1,15 +1,13 @@
 """MCVA at CPU scale: the reconstruction loss falls on tiny + synthetic clips, and task=pretrain runs from the CLI."""
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
+from run_helper import run_py
 from torch.utils.data import DataLoader
 
 from flowformer.data.synthetic import SyntheticVideoDataset
@@ -65,16 +63,7 @@ def test_task_pretrain_runs_from_the_command_line(tmp_path):
         "callbacks.progress_bar=null",
         f"hydra.run.dir={tmp_path}",
     ]
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    result = subprocess.run(
-        [sys.executable, "run.py", *overrides],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_py(*overrides, timeout=300, expect_ok=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 2

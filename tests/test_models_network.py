@@ -107,14 +107,25 @@ def test_size_not_multiple_of_8_names_the_padding(tiny: FlowFormer, size: tuple[
         tiny(image, image)
 
 
-def test_bf16_autocast_on_cpu_stays_close_to_fp32(tiny: FlowFormer) -> None:
-    image1, image2 = images()
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
+    net = build().eval().to(device)
+    image1, image2 = (image.to(device) for image in images())
     with torch.no_grad():
-        ref = tiny(image1, image2, iters=2)["flow"]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            feat1, feat2, _ = tiny.encode_images(image1, image2)
-            assert tiny.cost_volume(feat1, feat2).dtype == torch.float32  # fp32 island
-            low = tiny(image1, image2, iters=2)["flow"]
+        ref = net(image1, image2, iters=2)["flow"]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            feat1, feat2, _ = net.encode_images(image1, image2)
+            assert feat1.dtype == torch.bfloat16  # the encoders do run in bf16
+            assert net.cost_volume(feat1, feat2).dtype == torch.float32  # fp32 island
+            low = net(image1, image2, iters=2)["flow"]
     assert low.dtype == torch.float32
     diff = (low - ref).abs()
     assert diff.max() < 0.5 and diff.mean() < 0.05, (diff.max(), diff.mean())

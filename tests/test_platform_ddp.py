@@ -1,37 +1,24 @@
 """trainer=ddp on CPU: Lightning launches two gloo processes itself; training and checkpointing work."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from run_helper import run_py
 
 
 def test_two_process_ddp_on_cpu(tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "run.py",
-            "debug=tiny",
-            "trainer=ddp",
-            "trainer.accelerator=cpu",
-            "trainer.precision=32-true",
-            "trainer.devices=2",
-            "trainer.max_steps=3",
-            "trainer.val_check_interval=3",
-            "data.batch_size=1",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
+    result = run_py(
+        "debug=tiny",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "data.batch_size=1",
+        f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"},
         timeout=300,
-        check=False,
+        expect_ok=False,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

@@ -3,29 +3,19 @@ compare_from_scratch, from random weights) -> eval -> metrics.json.
 The full run (which must reach <= 50% of the zero-flow EPE) is `make demo`."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from run_helper import run_py
 
 
 def test_quickstart_chains_stages_and_writes_metrics(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "run.py",
-            "experiment=quickstart",
-            "quickstart.pretrain_steps=2",
-            "quickstart.finetune_steps=2",
-            "quickstart.max_epe_ratio=100",
-            "quickstart.compare_from_scratch=true",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
+    result = run_py(
+        "experiment=quickstart",
+        "quickstart.pretrain_steps=2",
+        "quickstart.finetune_steps=2",
+        "quickstart.max_epe_ratio=100",
+        "quickstart.compare_from_scratch=true",
+        f"hydra.run.dir={tmp_path}",
+        expect_ok=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())

@@ -2,36 +2,15 @@
 stage chaining, resume with its wandb run (offline), multirun sweeps and clean errors."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from compose_helper import compose_run_config
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from run_helper import run_py
 
 from flowformer.tasks.runtime import build_callbacks
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_py(*overrides: str, env: dict | None = None, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    environment.pop("FLOWFORMER_TRACEBACK", None)
-    result = subprocess.run(
-        [sys.executable, "run.py", *overrides],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if expect_ok and result.returncode != 0:
-        raise AssertionError(f"run.py {' '.join(overrides)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
 
 
 def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
