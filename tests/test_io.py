@@ -150,6 +150,27 @@ def test_kitti_png_wrong_kind(tmp_path: Path) -> None:
         write_kitti_flow(tmp_path / "out.png", np.zeros((4, 5, 2), np.float32), np.ones((5, 4)))
 
 
+@pytest.mark.parametrize(
+    ("name", "pixels", "got"),
+    [
+        ("grey16.png", np.full((4, 5), 2**15, np.uint16), "1 channel(s) of dtype uint16"),
+        ("rgba16.png", np.full((4, 5, 4), 2**15, np.uint16), "4 channel(s) of dtype uint16"),
+        ("rgb8.png", np.full((4, 5, 3), 128, np.uint8), "3 channel(s) of dtype uint8"),
+    ],
+)
+def test_kitti_png_must_be_three_channels_of_16_bits(
+    tmp_path: Path, name: str, pixels: np.ndarray, got: str
+) -> None:
+    """OpenCV's colour read turns a grey 16-bit PNG into 3 equal channels, which decoded as ~512 px of flow."""
+    path = tmp_path / name
+    assert cv2.imwrite(str(path), pixels)
+    with pytest.raises(FlowFileError) as err:
+        read_kitti_flow(path)
+    assert str(err.value).startswith(f"{path}: expected a 3-channel 16-bit KITTI flow PNG, got {got}; ")
+    with pytest.raises(FlowFileError, match=name):
+        read_flow(path)
+
+
 def test_read_image_grey_rgb_rgba(tmp_path: Path) -> None:
     rgb = np.random.default_rng(2).integers(0, 256, (6, 8, 3), dtype=np.uint8)
     cv2.imwrite(str(tmp_path / "rgb.png"), rgb[:, :, ::-1])

@@ -1,6 +1,9 @@
 """State-dict layout against the official key lists, checkpoint loading/saving/export, the converter CLI and the
 optional Twins ImageNet weights."""
 
+import random
+import re
+import traceback
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,12 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from flowformer.models import FlowFormer, export_official, load_backbone_weights, load_official, save_backbone
-from flowformer.models.checkpoint import CheckpointMismatchError, load_backbone
+from flowformer.models.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointReadError,
+    load_backbone,
+    read_checkpoint,
+)
 from flowformer.models.convert import main as convert
 from flowformer.models.encoders import TwinsEncoder
 
@@ -171,6 +179,150 @@ def test_convert_cli_both_directions(tmp_path: Path) -> None:
     a = torch.load(official, weights_only=True)
     b = torch.load(back, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k]) for k in a)
+
+
+class CreatesFileWhenUnpickled:
+    """Unpickling it runs code: it creates the file `target`."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = str(target)
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["target"]).touch()
+        self.__dict__.update(state)
+
+
+def test_read_checkpoint_returns_the_dict_and_names_a_missing_file(tmp_path: Path) -> None:
+    torch.save({"a": torch.arange(3)}, tmp_path / "ok.pth")
+    assert torch.equal(read_checkpoint(tmp_path / "ok.pth")["a"], torch.arange(3))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nope\.pth does not exist"):
+        read_checkpoint(tmp_path / "nope.pth")
+    with pytest.raises(
+        CheckpointReadError, match=rf"cannot read checkpoint {re.escape(str(tmp_path))} \(Is a directory\)"
+    ):
+        read_checkpoint(tmp_path)
+
+
+def _random_bytes(path: Path) -> None:
+    path.write_bytes(random.Random(0).randbytes(4096))
+
+
+def _truncated(path: Path) -> None:
+    torch.save({"a": torch.zeros(1000)}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize(
+    ("make", "detail"),
+    [
+        (_random_bytes, "torch.load cannot parse it"),
+        (_truncated, "torch.load cannot parse it"),
+        (_empty, "empty"),
+    ],
+)
+def test_read_checkpoint_reports_bytes_that_are_not_a_checkpoint(tmp_path: Path, make, detail: str) -> None:
+    path = tmp_path / "model.pth"
+    make(path)
+    with pytest.raises(CheckpointReadError) as err:
+        read_checkpoint(path)
+    text = str(err.value)
+    assert (
+        text.startswith(f"{path} is not a PyTorch checkpoint or is corrupt or truncated (") and detail in text
+    )
+    assert "\n" not in text
+    assert "weights_only=False" not in "".join(traceback.format_exception(err.value))
+
+
+@pytest.mark.parametrize("force_unsafe_env", [False, True])
+def test_read_checkpoint_never_unpickles_classes(tmp_path: Path, monkeypatch, force_unsafe_env: bool) -> None:
+    marker = tmp_path / "created_by_unpickling"
+    path = tmp_path / "model.pth"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "extra": CreatesFileWhenUnpickled(marker)}, path)
+    torch.load(path, weights_only=False)  # a full unpickle does run the file's code
+    assert marker.exists()
+    marker.unlink()
+    if force_unsafe_env:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(CheckpointReadError) as err:
+        read_checkpoint(path)
+    assert not marker.exists()
+    text = str(err.value)
+    assert text.startswith(f"checkpoint {path} holds pickled classes or functions (found ")
+    assert "CreatesFileWhenUnpickled)" in text and "\n" not in text
+    assert "weights_only=False" not in "".join(traceback.format_exception(err.value))
+
+
+def test_read_checkpoint_wants_a_dict(tmp_path: Path) -> None:
+    torch.save([torch.zeros(1)], tmp_path / "list.pth")
+    with pytest.raises(CheckpointReadError, match=r"list\.pth holds a list, expected a dict"):
+        read_checkpoint(tmp_path / "list.pth")
+    with pytest.raises(CheckpointReadError, match=r"list\.pth holds a list"):
+        load_backbone_weights(tiny(), tmp_path / "list.pth")
+
+
+def _backbone_file(tmp_path: Path) -> Path:
+    save_backbone(tmp_path / "ours.ckpt", tiny())
+    return tmp_path / "ours.ckpt"
+
+
+def _random_file(tmp_path: Path) -> Path:
+    _random_bytes(tmp_path / "random.pth")
+    return tmp_path / "random.pth"
+
+
+def _missing_file(tmp_path: Path) -> Path:
+    return tmp_path / "missing.pth"
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "expect"),
+    [
+        (_missing_file, "out.pth", "checkpoint {tmp}/missing.pth does not exist"),
+        (_random_file, "out.pth", "{tmp}/random.pth is not a PyTorch checkpoint"),
+        (_backbone_file, "no/such/dir/out.pth", "cannot write checkpoint {tmp}/no/such/dir/out.pth"),
+        (
+            _backbone_file,
+            "ours.ckpt/out.pth",
+            "cannot write checkpoint {tmp}/ours.ckpt/out.pth (Not a directory)",
+        ),
+    ],
+)
+def test_convert_cli_reports_bad_input_in_one_line(
+    tmp_path: Path, capsys, src, dst: str, expect: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        convert([str(src(tmp_path)), str(tmp_path / dst), "--to-official"])
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: {expect.format(tmp=tmp_path)}") and captured.err.count("\n") == 1
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("dst", "kind"), [("no/dir/b.ckpt", FileNotFoundError), ("b.ckpt/x", NotADirectoryError)]
+)
+def test_save_backbone_names_an_unwritable_destination(tmp_path: Path, dst: str, kind: type[OSError]) -> None:
+    save_backbone(tmp_path / "b.ckpt", tiny())
+    with pytest.raises(kind) as err:
+        save_backbone(tmp_path / dst, tiny())
+    assert str(err.value).startswith(f"cannot write checkpoint {tmp_path / dst} (")
+
+
+def test_convert_cli_reports_mismatching_keys(tmp_path: Path, capsys) -> None:
+    official = official_file(tmp_path, tiny(variant="flowformer"))
+    with pytest.raises(SystemExit) as exit_info:
+        convert([str(official), str(tmp_path / "ours.ckpt"), "--variant", "flowformer"])  # not the tiny knobs
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: official checkpoint {official} (variant='flowformer') does not match the network"
+    )
+    assert "Traceback" not in err and not (tmp_path / "ours.ckpt").exists()
 
 
 def test_twins_weights_from_a_local_file(tmp_path: Path) -> None:

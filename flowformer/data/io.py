@@ -34,12 +34,32 @@ PathLike = str | os.PathLike
 
 
 class FlowFileError(ValueError):
-    """A flow or image file is missing, unreadable or malformed; the message names the file."""
+    """A flow or image file is missing, unreadable or malformed; the message names the file.
 
-    def __init__(self, path: PathLike, problem: str) -> None:
+    Built as ``FlowFileError(path, problem)``. torch's DataLoader re-raises an error from a worker process as
+    ``FlowFileError(text)`` with one argument, the worker's formatted traceback, whose last line is
+    ``...FlowFileError: <path>: <problem>``; that line is taken back apart here so the main process sees the
+    same one-line message as with ``num_workers=0`` (a path that itself contains ": " is split at its first
+    ": ", so only ``.path`` and ``.problem`` may then be cut in the wrong place, never the message).
+    """
+
+    def __init__(self, path: PathLike, problem: str | None = None) -> None:
+        if problem is None:
+            path, problem = _split_single_message(str(path))
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+def _split_single_message(text: str) -> tuple[str, str]:
+    """'<path>: <problem>', alone or as the last line of a traceback (DataLoader worker) -> (path, problem)."""
+    lines = text.rstrip().splitlines()
+    last = lines[-1] if lines else ""
+    _, tag, message = last.partition(f"{FlowFileError.__name__}: ")
+    path, sep, problem = (message if tag else last).partition(": ")
+    if not sep:
+        raise TypeError(f"FlowFileError needs (path, problem), got the single message {text!r}")
+    return path, problem
 
 
 def _read_bytes(path: PathLike) -> bytes:
@@ -146,13 +166,16 @@ def read_kitti_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
     """
     if not Path(path).is_file():
         raise FlowFileError(path, "file not found; check the dataset root and the file name")
-    raw = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | cv2.IMREAD_COLOR)
+    # IMREAD_UNCHANGED: OpenCV's colour modes would turn a grey or RGBA PNG into 3 channels and pass the check
+    raw = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if raw is None:
         raise FlowFileError(path, "cannot decode the file as a PNG image (corrupt or not an image?)")
-    if raw.dtype != np.uint16 or raw.ndim != 3 or raw.shape[2] != 3:
+    channels = 1 if raw.ndim == 2 else raw.shape[2]
+    if raw.dtype != np.uint16 or channels != 3:
         raise FlowFileError(
             path,
-            f"expected a 3-channel 16-bit KITTI flow PNG, got dtype {raw.dtype} and shape {tuple(raw.shape)}",
+            f"expected a 3-channel 16-bit KITTI flow PNG, got {channels} channel(s) of dtype {raw.dtype}; "
+            "check that the path points at a flow file, not an image or a disparity map",
         )
     rgb = raw[:, :, ::-1].astype(np.float32)
     flow = (rgb[:, :, :2] - _KITTI_OFFSET) / _KITTI_SCALE

@@ -9,6 +9,8 @@ plain values only, so `torch.load(weights_only=True)` reads it.
 from __future__ import annotations
 
 import logging
+import pickle
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,10 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's keys or shapes do not fit the network."""
 
 
+class CheckpointReadError(ValueError):
+    """A checkpoint file cannot be read: not a checkpoint, corrupt or truncated, or holding non-plain objects."""
+
+
 def from_official(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Official layout (with or without `module.`) -> our state_dict keys."""
     return {k.removeprefix(OFFICIAL_PREFIX): v for k, v in state.items()}
@@ -52,21 +58,69 @@ def export_official(net: FlowFormer, path: str | Path | None = None) -> dict[str
     """The network's weights in the official layout; also written to `path` when given."""
     state = to_official({k: v.detach().cpu() for k, v in net.state_dict().items()})
     if path is not None:
-        torch.save(state, path)
+        _write(state, path)
     return state
 
 
-def _read(path: str | Path) -> dict:
+# How torch's weights-only unpickler names a class or function it refuses to create (its other unpickling errors
+# mean bytes that are not a checkpoint).
+_REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint onto the CPU with the weights-only unpickler (never running code from the file).
+
+    Returns the loaded dict. Raises FileNotFoundError when `path` does not exist and CheckpointReadError when it
+    cannot be read, is not a checkpoint (or is corrupt or truncated), holds pickled classes or functions, or does
+    not hold a dict.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # re-raised with the file name and the fix
-        raise ValueError(
-            f"cannot read {path} with torch.load(weights_only=True): {err}. Checkpoints must hold plain values "
-            "(tensors, numbers, strings, dicts); re-save it with flowformer.models.save_backbone."
-        ) from err
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path} does not exist; check the path") from None
+    except OSError as err:
+        raise CheckpointReadError(
+            f"cannot read checkpoint {path} ({err.strerror or err}); expected a readable checkpoint file"
+        ) from None
+    except pickle.UnpicklingError as err:
+        refused = _REFUSED_GLOBAL.search(str(err))
+        if refused is None:
+            raise CheckpointReadError(_not_a_checkpoint(path)) from None
+        raise CheckpointReadError(
+            f"checkpoint {path} holds pickled classes or functions (found {refused.group(1)}), which are not "
+            "loaded because unpickling them could run code; re-save it with plain values only (tensors, numbers, "
+            "strings, lists and dicts), as flowformer.models.save_backbone does"
+        ) from None
+    # other bytes that are not a checkpoint make torch raise RuntimeError, EOFError, KeyError, ...
+    except Exception as err:
+        raise CheckpointReadError(_not_a_checkpoint(path)) from err
+    if not isinstance(obj, dict):
+        raise CheckpointReadError(
+            f"checkpoint {path} holds a {type(obj).__name__}, expected a dict (a state dict, a {BACKBONE_FORMAT} "
+            "file or a Lightning .ckpt)"
+        )
+    return obj
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    detail = "the file is empty" if path.stat().st_size == 0 else "torch.load cannot parse it"
+    return (
+        f"{path} is not a PyTorch checkpoint or is corrupt or truncated ({detail}); re-download or re-save it"
+    )
+
+
+def _write(obj: object, path: str | Path) -> None:
+    """torch.save that reports an unwritable destination as a one-line OSError of the same kind naming it
+    (torch.save given a path raises a RuntimeError)."""
+    path = Path(path)
+    try:
+        with path.open("wb") as file:
+            torch.save(obj, file)
+    except OSError as err:
+        raise type(err)(
+            f"cannot write checkpoint {path} ({err.strerror or err}); check that its folder exists and is writable"
+        ) from None
 
 
 def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str]:
@@ -132,7 +186,7 @@ def load_backbone_weights(
 ) -> LoadReport:
     """Load our backbone file, an official `.pth` (with or without `module.`) or a FlowModule/MCVAPretrainModule
     Lightning `.ckpt` into `net`, strictly except for keys starting with one of `skip_prefixes`."""
-    state, kind = _unwrap(_read(path), path)
+    state, kind = _unwrap(read_checkpoint(path), path)
     skip = tuple(skip_prefixes)
     skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
     kept = {k: v for k, v in _as_network_dtypes(net, state).items() if not (skip and k.startswith(skip))}
@@ -145,7 +199,7 @@ def load_backbone_weights(
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:
     """Build the official architecture of `variant` (Twins encoders, paper knobs) and load a released checkpoint
     strictly; returns the network in eval mode. `overrides` change constructor knobs (e.g. decoder_iters=32)."""
-    state, _ = _unwrap(_read(path), path)
+    state, _ = _unwrap(read_checkpoint(path), path)
     with torch.device("meta"):
         net = FlowFormer(variant=variant, **overrides)
     check_compatible(net, state, f"official checkpoint {path} (variant={variant!r})")
@@ -156,7 +210,7 @@ def load_official(path: str | Path, variant: str = "flowformer", **overrides) ->
 
 def save_backbone(path: str | Path, net: FlowFormer) -> None:
     """Write the network in our backbone format (plain values; readable with weights_only=True)."""
-    torch.save(
+    _write(
         {
             "format": BACKBONE_FORMAT,
             "version": 1,
@@ -169,7 +223,7 @@ def save_backbone(path: str | Path, net: FlowFormer) -> None:
 
 def load_backbone(path: str | Path) -> FlowFormer:
     """Rebuild a network from one of our backbone files (its stored config) and load it strictly."""
-    obj = _read(path)
+    obj = read_checkpoint(path)
     if obj.get("format") != BACKBONE_FORMAT:
         raise ValueError(f"{path} is not a {BACKBONE_FORMAT} file; use load_official for released .pth files")
     with torch.device("meta"):

@@ -40,7 +40,13 @@ def main(argv: list[str] | None = None) -> None:
         "--to-official", action="store_true", help="convert our backbone file to the official layout"
     )
     args = parser.parse_args(argv)
+    try:
+        _convert(args)
+    except (OSError, ValueError) as err:  # missing or unreadable files, mismatching keys, bad knobs
+        parser.exit(1, f"error: {err}\n")
 
+
+def _convert(args: argparse.Namespace) -> None:
     if args.to_official:
         export_official(load_backbone(args.src), args.dst)
         print(f"wrote official-layout state dict to {args.dst}")

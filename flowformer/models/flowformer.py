@@ -38,8 +38,9 @@ class FlowFormer(nn.Module):
     """The FlowFormer (`variant="flowformer"`, official LatentCostFormer) or FlowFormer++ (`"flowformer_pp"`,
     official PerCostFormer3 incl. its `pretrain_head`) network.
 
-    Input images are float [B, 3, H, W] in 0..255, H and W multiples of 8; they are mapped to [-1, 1] inside
-    (`2·I/255 - 1`, SPEC §1.1), the one place where normalisation happens.
+    Input images are float [B, 3, H, W] in 0..255, H and W multiples of 8 and at least `MIN_IMAGE_SIDE` (32 with
+    the twins image encoder, 16 with the cnn one); they are mapped to [-1, 1] inside (`2·I/255 - 1`, SPEC §1.1),
+    the one place where normalisation happens.
     """
 
     def __init__(
@@ -76,6 +77,10 @@ class FlowFormer(nn.Module):
         if image_encoder == "cnn" and twins_weights is not None:
             raise ValueError(
                 "backbone.twins_weights is set but backbone.image_encoder is 'cnn'; set it to null"
+            )
+        if isinstance(decoder_iters, bool) or not isinstance(decoder_iters, int) or decoder_iters < 1:
+            raise ValueError(
+                f"backbone.decoder_iters must be an integer >= 1 (refinement iterations), got {decoder_iters!r}"
             )
         if feature_dim % cost_heads != 0:
             raise ValueError(
@@ -144,7 +149,7 @@ class FlowFormer(nn.Module):
     # ---- stages ---------------------------------------------------------------------------------------------
     def encode_images(self, image1: Tensor, image2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """images [B, 3, H, W] in 0..255 -> (feat1, feat2 [B, C, H/8, W/8], context [B, C, H/8, W/8])."""
-        _check_images(image1, image2)
+        _check_images(image1, image2, self.config["image_encoder"])
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
         context = self.context_encoder(image1)
@@ -229,12 +234,24 @@ class FlowFormer(nn.Module):
         return out
 
 
-def _check_images(image1: Tensor, image2: Tensor) -> None:
+# Smallest image side each image encoder accepts. The cost-window sampler normalises coordinates by (side/8 - 1)
+# (align_corners), so a 1/8-resolution side of 1 gives NaN flow: 16 pixels. Twins' stage-0 sub-sampled attention
+# runs an 8x8-kernel conv on the 1/4-resolution tokens (stage 1 a 4x4 one on the 1/8-resolution ones): 32 pixels.
+MIN_IMAGE_SIDE = {"twins": 32, "cnn": 16}
+
+
+def _check_images(image1: Tensor, image2: Tensor, image_encoder: str) -> None:
     if image1.shape != image2.shape or image1.dim() != 4 or image1.shape[1] != 3:
         raise ValueError(
             f"images must both be [B, 3, H, W]; got {tuple(image1.shape)} and {tuple(image2.shape)}"
         )
     height, width = image1.shape[-2:]
+    side = MIN_IMAGE_SIDE[image_encoder]
+    if min(height, width) < side:
+        raise ValueError(
+            f"FlowFormer with the {image_encoder} image encoder needs images of at least {side}x{side} pixels, "
+            f"got {height}x{width}; pad or upscale the images"
+        )
     if height % 8 or width % 8:
         pad_h, pad_w = (-height) % 8, (-width) % 8
         raise ValueError(
