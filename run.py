@@ -8,6 +8,9 @@ import hydra
 from omegaconf import DictConfig
 
 from flowformer.tasks import run_task
+from flowformer.tasks.run_dirs import register_resolvers
+
+register_resolvers()  # ${fresh_dir:...} of conf/hydra/default.yaml
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

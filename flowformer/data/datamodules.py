@@ -9,15 +9,25 @@ its datasets, roots and augmentation declaratively; the modules only add the Dat
 
 Training loaders shuffle and drop the last incomplete batch, as the official loaders do (SPEC §6.3);
 validation runs at batch 1 by default because validation images differ in size (the model pads them).
+
+Resuming is exact: the training loader draws from a :class:`~flowformer.data.sampling.ResumableSampler`
+seeded with the run seed, the module's ``state_dict`` (saved in every checkpoint) records the epoch and the
+batches of it already trained on, and a resumed run skips exactly those. Every loader has its own torch
+Generator, so creating one does not advance the global random stream the model draws from.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Dataset
+
+from flowformer.data.sampling import ResumableSampler
 
 __all__ = ["FlowDataModule", "PretrainDataModule"]
 
@@ -37,27 +47,69 @@ def _check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
         raise ValueError(f"{owner}: num_workers must be >= 0, got {num_workers} (set data.num_workers)")
 
 
-class _LoaderOptions:
-    """The DataLoader settings shared by both modules."""
+class _TrainingData(L.LightningDataModule):
+    """DataLoader settings shared by both modules, and the resumable training loader."""
 
-    def __init__(self, *, num_workers: int, pin_memory: bool, persistent_workers: bool) -> None:
+    def __init__(self, *, batch_size: int, num_workers: int, pin_memory: bool, persistent_workers: bool) -> None:
+        super().__init__()
+        self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers and num_workers > 0
+        # seed_everything(cfg.seed) ran before the module was built, so this is the run seed.
+        self.seed = torch.initial_seed()
+        self._sampler: ResumableSampler | None = None
+        self._resume_at: tuple[int, int] | None = None
 
-    def loader(self, dataset: Dataset, *, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
+    def loader(self, dataset: Dataset, *, batch_size: int, sampler: ResumableSampler | None = None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
+            sampler=sampler,
+            drop_last=sampler is not None,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def train_loader(self, dataset: Dataset) -> DataLoader:
+        """Shuffled, this process's share under DDP, drop_last; resumes where the checkpoint stopped."""
+        trainer = self.trainer
+        self._sampler = ResumableSampler(
+            dataset,
+            seed=self.seed,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
+        if self._resume_at is not None:
+            epoch, batches_done = self._resume_at
+            if batches_done >= len(self._sampler) // self.batch_size:  # saved at the end of an epoch
+                epoch, batches_done = epoch + 1, 0
+            self._sampler.resume(epoch, batches_done * self.batch_size)
+            self._resume_at = None
+            # Lightning warns that a mid-epoch resume is unreliable unless the loader is stateful; this
+            # module restores the position itself (the sampler skips the batches already trained on).
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+        return self.loader(dataset, batch_size=self.batch_size, sampler=self._sampler)
 
-class FlowDataModule(L.LightningDataModule):
+    def state_dict(self) -> dict[str, Any]:
+        """The training position: the epoch and how many of its batches were trained on, from Lightning's loop
+        progress (an epoch is in progress while its `started` count is ahead of its `processed` count)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        epochs = trainer.fit_loop.epoch_progress.current
+        in_epoch = epochs.started > epochs.processed
+        batches_done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if in_epoch else 0
+        return {"epoch": epochs.processed, "batches_done": batches_done}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches_done"]))
+
+
+class FlowDataModule(_TrainingData):
     """Supervised flow data: ``train`` (a dataset or None) and ``val`` (name -> dataset, in order).
 
     Args:
@@ -80,19 +132,20 @@ class FlowDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
     ) -> None:
-        super().__init__()
         _check_loader_args("FlowDataModule", batch_size, num_workers)
         _check_loader_args("FlowDataModule (val)", val_batch_size, num_workers)
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+        )
         self.train_set = train
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
             if len(dataset) == 0:
                 raise ValueError(f"FlowDataModule: validation set '{name}' is empty")
-        self.batch_size = batch_size
         self.val_batch_size = val_batch_size
-        self.options = _LoaderOptions(
-            num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers
-        )
 
     @property
     def val_names(self) -> list[str]:
@@ -107,13 +160,10 @@ class FlowDataModule(L.LightningDataModule):
                 f"FlowDataModule: the training set has {len(self.train_set)} items, fewer than one batch of "
                 f"{self.batch_size} (batches are drop_last); lower data.batch_size"
             )
-        return self.options.loader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        return self.train_loader(self.train_set)
 
     def val_dataloader(self) -> list[DataLoader]:
-        return [
-            self.options.loader(dataset, batch_size=self.val_batch_size, shuffle=False, drop_last=False)
-            for dataset in self.val_sets.values()
-        ]
+        return [self.loader(dataset, batch_size=self.val_batch_size) for dataset in self.val_sets.values()]
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
@@ -122,7 +172,7 @@ class FlowDataModule(L.LightningDataModule):
             log.info("validation set %s: %s", name, _describe(dataset))
 
 
-class PretrainDataModule(L.LightningDataModule):
+class PretrainDataModule(_TrainingData):
     """Unlabeled image pairs for MCVA pretraining (YouTube-VOS, a video folder or synthetic clips).
 
     The official recipe: batch 24, shuffle, drop_last, 368x496 crops (SPEC §5.1). There is no validation set.
@@ -137,13 +187,14 @@ class PretrainDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
     ) -> None:
-        super().__init__()
         _check_loader_args("PretrainDataModule", batch_size, num_workers)
-        self.train_set = train
-        self.batch_size = batch_size
-        self.options = _LoaderOptions(
-            num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
         )
+        self.train_set = train
 
     @property
     def val_names(self) -> list[str]:
@@ -158,4 +209,4 @@ class PretrainDataModule(L.LightningDataModule):
                 f"PretrainDataModule: the training set has {len(self.train_set)} pairs, fewer than one batch of "
                 f"{self.batch_size} (batches are drop_last); lower data.batch_size"
             )
-        return self.options.loader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        return self.train_loader(self.train_set)

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from flowformer.data.io import FlowFileError, read_flow, read_image, read_kitti_flow
+from flowformer.data.sampling import SampleKey, item_index, unpack_item
 from flowformer.data.transforms import FlowAugmentor, SparseFlowAugmentor, WorkerRNG
 
 __all__ = [
@@ -98,8 +99,9 @@ class FlowDataset(Dataset):
 
     Subclasses fill ``self.samples`` in their constructor. ``augmentor`` must be a
     :class:`~flowformer.data.transforms.SparseFlowAugmentor` for sparse datasets and a
-    :class:`~flowformer.data.transforms.FlowAugmentor` for dense ones; its random draws come from a numpy
-    Generator per DataLoader worker (:class:`~flowformer.data.transforms.WorkerRNG`).
+    :class:`~flowformer.data.transforms.FlowAugmentor` for dense ones. Items are indices or training draws
+    (:class:`~flowformer.data.sampling.SampleKey`): a draw carries its augmentation seed, a plain index
+    augments from a numpy Generator per DataLoader worker (:class:`~flowformer.data.transforms.WorkerRNG`).
     """
 
     sparse: bool = False
@@ -135,7 +137,8 @@ class FlowDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, item: int | SampleKey) -> dict[str, Any]:
+        index, rng = unpack_item(item, self._rng)
         sample = self.samples[index]
         img1, img2 = read_image(sample.img1), read_image(sample.img2)
         if img1.shape != img2.shape:
@@ -153,7 +156,6 @@ class FlowDataset(Dataset):
                 sample.flow, f"flow size {flow.shape[:2]} differs from the image {sample.img1}"
             )
         if self.augmentor is not None:
-            rng = self._rng.get()
             if isinstance(self.augmentor, SparseFlowAugmentor):
                 img1, img2, flow, valid = self.augmentor(img1, img2, flow, valid, rng)
             else:
@@ -485,13 +487,16 @@ class WeightedConcatDataset(Dataset):
     def __len__(self) -> int:
         return int(self._ends[-1])
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, item: int | SampleKey) -> dict[str, Any]:
+        """Item ``index`` of the concatenation; a ``SampleKey`` keeps its augmentation seed."""
+        index = item_index(item)
         if not 0 <= index < len(self):
             raise IndexError(f"WeightedConcatDataset: index {index} out of range for {len(self)} items")
         part = int(np.searchsorted(self._ends, index, side="right"))
         start = 0 if part == 0 else int(self._ends[part - 1])
         dataset = self.datasets[part]
-        return dataset[(index - start) % len(dataset)]
+        local = (index - start) % len(dataset)
+        return dataset[item._replace(index=local) if isinstance(item, SampleKey) else local]
 
     def describe(self) -> str:
         """E.g. ``100 x MpiSintel (2082) + 200 x KITTI (200) = 248200 items``."""

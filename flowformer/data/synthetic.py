@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from flowformer.data.sampling import SampleKey, item_index
+
 __all__ = ["SyntheticFlowDataset", "SyntheticVideoDataset"]
 
 _REFERENCE_SIZE = (368, 496)  # the FlowFormer training crop (SPEC §6.3); max_translation is given at it
@@ -356,7 +358,8 @@ class SyntheticFlowDataset(_SceneSource, Dataset):
             background_motion=background_motion,
         )
 
-    def __getitem__(self, index: int) -> dict[str, object]:
+    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
+        index = item_index(item)  # scenes are a function of (seed, index): a draw's seed is not needed
         with _single_threaded():
             scene = self._scene(index)
             img1, front = _render(scene, 0.0)
@@ -425,7 +428,8 @@ class SyntheticVideoDataset(_SceneSource, Dataset):
             scene = self._scene(index)
             return torch.stack([_render(scene, t)[0] for t in self._times()])
 
-    def __getitem__(self, index: int) -> dict[str, object]:
+    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
+        index = item_index(item)  # scenes are a function of (seed, index): a draw's seed is not needed
         with _single_threaded():
             scene = self._scene(index)
             img1, _ = _render(scene, 0.0)

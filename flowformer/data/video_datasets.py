@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from flowformer.data.datasets import DatasetRootError, to_chw
 from flowformer.data.io import FlowFileError, read_image
+from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.transforms import ImagePairAugmentor, WorkerRNG
 
 __all__ = ["VideoFolder", "YouTubeVOS", "pair_indices"]
@@ -127,7 +128,8 @@ class _PairDataset(Dataset):
                 )
         return img1, img2
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, item: int | SampleKey) -> dict[str, Any]:
+        index, rng = unpack_item(item, self._rng)
         error: Exception | None = None
         for attempt in range(self.max_skips):
             pair = self.pairs[(index + attempt) % len(self.pairs)]
@@ -138,7 +140,7 @@ class _PairDataset(Dataset):
                 error = err
                 continue
             if self.augmentor is not None:
-                img1, img2 = self.augmentor(img1, img2, self._rng.get())
+                img1, img2 = self.augmentor(img1, img2, rng)
             frame1 = pair.frame1.index if pair.frame1.index is not None else pair.frame1.path.stem
             frame2 = pair.frame2.index if pair.frame2.index is not None else pair.frame2.path.stem
             meta = {

@@ -1,8 +1,10 @@
 """Task dispatch for run.py: `task=<name>` runs `flowformer.tasks.<name>.run(cfg)`.
 
 User-facing errors (a missing dataset root, an unreadable file, a NaN loss, a checkpoint that does not fit
-the backbone) are printed as one clear message and exit with status 1 instead of a traceback; set
-FLOWFORMER_TRACEBACK=1 to see the traceback as well. Loggers are always closed, also on error.
+the backbone, an output location that cannot be written) are printed once, as one clear line on stderr (and
+into run.log), and exit with status 1 instead of a traceback; FLOWFORMER_TRACEBACK=1 prints the whole
+traceback before that line. A run that fails before producing anything leaves no run directory behind. Loggers
+are always closed, also on error.
 """
 
 from __future__ import annotations
@@ -11,8 +13,14 @@ import importlib
 import logging
 import os
 import sys
+import traceback
+from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+
+from flowformer.lit.checkpointing import CheckpointWriteError
+from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +34,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PermissionError,
     ValueError,
     FloatingPointError,
+    CheckpointWriteError,  # disk full or no permission while saving; the previous checkpoint is intact
 )
 
 
@@ -49,13 +58,26 @@ def run_task(cfg: DictConfig) -> float | None:
         return module.run(cfg)
     except Exception as error:
         user_error = find_user_error(error)
-        if user_error is None or os.environ.get("FLOWFORMER_TRACEBACK"):
+        if user_error is None:
             raise
-        log.error("%s: %s", type(user_error).__name__, user_error)
-        print(f"error ({type(user_error).__name__}): {user_error}", file=sys.stderr)
+        if os.environ.get("FLOWFORMER_TRACEBACK"):
+            traceback.print_exception(error)
+        report(user_error)
+        if HydraConfig.initialized() and not joins_existing_run():
+            remove_if_unused(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(1) from None
     finally:
         close_loggers()
+
+
+def report(error: BaseException) -> None:
+    """The error once on stderr, and into the log files (run.log) without repeating it on the console."""
+    message = f"error ({type(error).__name__}): {error}"
+    print(message, file=sys.stderr)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def find_user_error(error: BaseException) -> BaseException | None:

@@ -41,6 +41,7 @@ from flowformer.eval.padding import InputPadder
 from flowformer.eval.tiling import FlowFn, tiled_flow
 from flowformer.metrics import FlowMetrics, KittiMetrics, SpeedBinnedEPE
 from flowformer.tasks.bench import autocast_context, pick_device
+from flowformer.tasks.run_dirs import ensure_writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +300,13 @@ def run(cfg: DictConfig) -> float | None:
         name: (Protocol.from_config(name, benchmarks[name]), open_dataset(name, benchmarks[name]))
         for name in settings.sets
     }
+    ensure_writable_dir(Path(settings.results_json).parent, "the folder of eval.results_json")
+    submission_dir = None
+    if settings.get("submission_dir"):
+        submission_dir = ensure_writable_dir(settings.submission_dir, "eval.submission_dir")
     device = pick_device(settings.device)
     torch.manual_seed(cfg.seed)
     net = load_network(cfg, device)
-    submission_dir = Path(settings.submission_dir) if settings.get("submission_dir") else None
 
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}
@@ -327,7 +331,6 @@ def run(cfg: DictConfig) -> float | None:
     table = format_table(results)
     print(table)
     output = Path(settings.results_json)
-    output.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "checkpoint": settings.get("checkpoint"),
         "backbone": OmegaConf.to_container(cfg.backbone, resolve=True),

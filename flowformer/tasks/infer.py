@@ -26,6 +26,7 @@ from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti
 from flowformer.eval.padding import InputPadder
 from flowformer.models.checkpoint import load_backbone_weights
 from flowformer.tasks.bench import pick_device
+from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,13 @@ def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     if settings.format not in ("flo", "kitti"):
         raise ValueError(f"infer.format={settings.format!r}: expected 'flo' or 'kitti'")
+    output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
     names, frames, count = list_frames(settings.input)
     device = pick_device(settings.device)
     net = hydra.utils.instantiate(cfg.backbone)
     report = load_backbone_weights(net, settings.checkpoint)
     log.info("loaded %s: %s", settings.checkpoint, report)
     net = net.to(device).eval()
-    output_dir = Path(settings.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
 
     previous = to_tensor(next(frames), device)
     for index, frame in enumerate(track(frames, total=count - 1, description="flow"), start=0):

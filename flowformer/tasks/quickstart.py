@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from flowformer.lit.checkpointing import last_checkpoint_path
 from flowformer.metrics import FlowMetrics
 from flowformer.tasks import close_loggers
 from flowformer.tasks import eval as eval_task
@@ -52,7 +53,7 @@ def run(cfg: DictConfig) -> float:
     pretrain_cfg = compose_stage(cfg, run_dir / "pretrain", list(stages.pretrain))
     _, pretrainer = fit(pretrain_cfg)
     close_loggers()
-    pretrained = pretrainer.checkpoint_callback.last_model_path
+    pretrained = str(last_checkpoint_path(pretrainer))
 
     runs = {"with_mcva": [f"model.init_from={pretrained}"]}
     if stages.compare_from_scratch:
@@ -62,7 +63,7 @@ def run(cfg: DictConfig) -> float:
         stage_cfg = compose_stage(cfg, run_dir / f"finetune_{label}", [*stages.finetune, *extra])
         _, trainer = fit(stage_cfg)
         close_loggers()
-        checkpoints[label] = trainer.checkpoint_callback.last_model_path
+        checkpoints[label] = str(last_checkpoint_path(trainer))
 
     epe = {}
     for label, checkpoint in checkpoints.items():

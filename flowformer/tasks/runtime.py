@@ -36,6 +36,15 @@ RECORDED_PACKAGES = (
 )
 
 
+def checkpoint_dirs(cfg: DictConfig) -> dict[str, Path]:
+    """The `dirpath` of every configured checkpoint callback, by its setting name."""
+    return {
+        f"callbacks.{name}.dirpath": Path(callback_cfg.dirpath)
+        for name, callback_cfg in (cfg.get("callbacks") or {}).items()
+        if callback_cfg is not None and callback_cfg.get("dirpath")
+    }
+
+
 def git_revision(repo_dir: Path) -> dict[str, Any]:
     """{'sha': ..., 'dirty': bool} of the checkout holding the code, or nulls outside a git checkout."""
     try:

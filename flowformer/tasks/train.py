@@ -9,9 +9,18 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, open_dict
 
+from flowformer.lit.checkpointing import (
+    RandomStates,
+    SafeCheckpointIO,
+    best_checkpoint_callback,
+    check_resume_checkpoint,
+    last_checkpoint_path,
+)
+from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.runtime import (
     build_callbacks,
     build_loggers,
+    checkpoint_dirs,
     log_config,
     record_wandb_id,
     resolve_monitor,
@@ -25,6 +34,9 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer)."""
     L.seed_everything(cfg.seed, workers=True)
     output_dir = Path(cfg.paths.output_dir)
+    ensure_writable_dir(output_dir, "the run directory (hydra.run.dir / paths.output_dir)")
+    for setting, directory in checkpoint_dirs(cfg).items():
+        ensure_writable_dir(directory, f"the checkpoint directory ({setting})")
     write_run_record(cfg, output_dir)
 
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -47,21 +59,27 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
             cfg.model.init_from = None
 
     model = hydra.utils.instantiate(cfg.model)
+    if cfg.get("ckpt_path"):
+        check_resume_checkpoint(cfg.ckpt_path, model)
     loggers = build_loggers(cfg, output_dir)
-    callbacks = build_callbacks(cfg)
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+    callbacks = [*build_callbacks(cfg), RandomStates()]
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO()]
+    )
     log_config(loggers, cfg)
     record_wandb_id(loggers, output_dir / "checkpoints")
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
-    score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    best = best_checkpoint_callback(trainer)
+    score = best.best_model_score if best is not None else None
     if score is None:
         score = trainer.callback_metrics.get(monitor)
     value = None if score is None else float(score)
-    if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.last_model_path:
-        log.info("best checkpoint: %s", trainer.checkpoint_callback.best_model_path)
-        log.info("last checkpoint: %s", trainer.checkpoint_callback.last_model_path)
+    if best is not None and best.best_model_path:
+        log.info("best checkpoint: %s", best.best_model_path)
+    if (last := last_checkpoint_path(trainer)) is not None:
+        log.info("last checkpoint: %s", last)
     log.info("%s = %s", monitor, value)
     return value, trainer
 

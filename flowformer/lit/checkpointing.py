@@ -1,0 +1,146 @@
+"""Checkpoints a long run can trust: written atomically, read safely, `last.ckpt` always the latest state.
+
+- :class:`SafeCheckpointIO` is the trainer's checkpoint I/O: every checkpoint (last, best, resume) is written to
+  a temporary file beside the target and renamed over it, so a failed write (disk full, permission) leaves the
+  previous file whole; every read, resume included, goes through ``torch.load(weights_only=True)`` whatever
+  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says, so a checkpoint cannot run code.
+- :class:`LastCheckpoint` writes ``<dir>/last.ckpt`` every ``every_n_train_steps`` and when training ends (max
+  steps, max time, max epochs), whatever validation says; ``ModelCheckpoint`` keeps only the best by the monitor.
+- :class:`RandomStates` saves the global torch / numpy / Python random states, so a resumed run draws the same
+  numbers (pixel noise, anything using the global stream) as the run it continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+
+from flowformer.models.checkpoint import check_compatible, read_checkpoint
+
+log = logging.getLogger(__name__)
+
+LAST_CHECKPOINT = "last.ckpt"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the file it would have replaced is intact."""
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Atomic local writes (temporary file + rename) and weights-only reads."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.partial")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, partial)
+            os.replace(partial, path)
+        except OSError as err:
+            partial.unlink(missing_ok=True)
+            kept = f"the previous {path.name} is intact" if path.exists() else f"no earlier {path.name} existed"
+            raise CheckpointWriteError(
+                f"could not write checkpoint {path} ({err.strerror or err}); {kept}. Free disk space or fix "
+                f"the permissions of {path.parent}, then resume with ckpt_path=<the last good checkpoint>"
+            ) from err
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        return read_checkpoint(path)
+
+
+class LastCheckpoint(Checkpoint):
+    """``<dirpath>/last.ckpt``: the full training state every ``every_n_train_steps`` optimiser steps and at the
+    end of training. A ``Checkpoint`` subclass, so Lightning runs it after the other callbacks of a step."""
+
+    def __init__(self, dirpath: str | Path, every_n_train_steps: int = 500) -> None:
+        if every_n_train_steps < 1:
+            raise ValueError(
+                f"LastCheckpoint: every_n_train_steps must be >= 1, got {every_n_train_steps} "
+                "(set callbacks.last_checkpoint.every_n_train_steps)"
+            )
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self._saved_step: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / LAST_CHECKPOINT
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step % self.every_n_train_steps == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer)
+
+    def _save(self, trainer: L.Trainer) -> None:
+        if trainer.sanity_checking or self._saved_step == trainer.global_step:
+            return
+        trainer.save_checkpoint(self.path)
+        self._saved_step = trainer.global_step
+        log.debug("wrote %s at step %d", self.path, trainer.global_step)
+
+
+# What Lightning writes into every training checkpoint; a file without them cannot resume a run.
+TRAINING_STATE_KEYS = ("state_dict", "global_step", "loops", "optimizer_states")
+
+
+def check_resume_checkpoint(path: str | Path, module: L.LightningModule) -> None:
+    """Refuse, before training starts, a ``ckpt_path`` that is unreadable, not a Lightning training checkpoint
+    or made for another network (the error lists missing / unexpected / mis-shaped keys)."""
+    checkpoint = read_checkpoint(path)
+    missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
+    if missing:
+        raise ValueError(
+            f"ckpt_path={path} is not a Lightning training checkpoint (it lacks {', '.join(missing)}): resume "
+            "from <run dir>/checkpoints/last.ckpt, or start from its weights with model.init_from=<file>"
+        )
+    check_compatible(module, checkpoint["state_dict"], f"ckpt_path={path}")
+
+
+def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
+    """Where the trainer's :class:`LastCheckpoint` wrote ``last.ckpt``, or None without one / before a write."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, LastCheckpoint) and callback.path.is_file():
+            return callback.path
+    return None
+
+
+def best_checkpoint_callback(trainer: L.Trainer) -> ModelCheckpoint | None:
+    """The trainer's ``ModelCheckpoint`` (the best by the monitor), or None."""
+    return next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+
+class RandomStates(L.Callback):
+    """The global random states (torch CPU and CUDA, numpy, Python) in the checkpoint, restored on resume."""
+
+    def state_dict(self) -> dict[str, Any]:
+        _, keys, position, has_gauss, cached_gauss = np.random.get_state()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            # numpy's MT19937 state as plain values (weights-only loading refuses numpy arrays)
+            "numpy": [torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached_gauss)],
+            "python": random.getstate(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
+        keys, position, has_gauss, cached_gauss = state_dict["numpy"]
+        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
+        version, internal, gauss = state_dict["python"]
+        random.setstate((version, tuple(internal), gauss))
+        cuda = state_dict.get("cuda")
+        if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)

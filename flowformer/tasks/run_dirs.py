@@ -1,0 +1,140 @@
+"""One directory per run, never shared by accident.
+
+``${fresh_dir:<parent>}`` (used by ``conf/hydra/default.yaml``) names a run or sweep directory after the start
+time and claims it with an atomic ``mkdir``: two runs started in the same second (parallel sweeps, several users,
+SLURM arrays) get ``<time>`` and ``<time>_2``. Under a multi-process launcher every process of one job must
+share the directory, so it is named after the job instead: ``slurm-<job>.<step>`` under ``srun`` with several
+tasks, ``torchrun-<rdzv id>`` under torchrun with an ``--rdzv-id``.
+
+:class:`RunDirGuard` (a Hydra callback) checks the directory before Hydra writes into it: it must be creatable
+and writable, and a fresh run (not a process joining its job's directory) must find it empty.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+RESOLVER = "fresh_dir"
+_claimed: dict[str, str] = {}
+
+
+def launcher_job_name() -> str | None:
+    """The name every process of a multi-process launcher job shares, or None outside one."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"torchrun-{run_id}"
+    return None
+
+
+def joins_existing_run() -> bool:
+    """True in a process that writes into a directory its job already made: a launcher job, or a DDP worker
+    Lightning started (it passes the parent's hydra.run.dir and sets LOCAL_RANK)."""
+    return launcher_job_name() is not None or os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+def fresh_dir(parent: str) -> str:
+    """``<parent>/<start time>[_n]``, created empty by this process (or the launcher job's shared name)."""
+    if parent in _claimed:
+        return _claimed[parent]
+    job = launcher_job_name()
+    if job is not None:
+        _claimed[parent] = str(Path(parent) / job)
+        return _claimed[parent]
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for attempt in range(1, 1000):
+        candidate = Path(parent) / (stamp if attempt == 1 else f"{stamp}_{attempt}")
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        except OSError:
+            break  # not creatable: RunDirGuard reports it with the reason
+        _claimed[parent] = str(candidate)
+        return _claimed[parent]
+    return str(Path(parent) / stamp)
+
+
+# What a run writes before it does any work: Hydra's records, logs, the run record, logger metadata.
+BOOKKEEPING = (".hydra", "config_resolved.yaml", "run_info.json", "hparams.yaml")
+
+
+def remove_if_unused(run_dir: Path) -> bool:
+    """Delete a run directory that holds only bookkeeping (a run that failed before it started); True if
+    deleted. Anything else in it (a checkpoint, metrics, flow files) keeps the whole directory."""
+    if not run_dir.is_dir():
+        return False
+    for path in run_dir.rglob("*"):
+        relative = path.relative_to(run_dir)
+        bookkeeping = relative.parts[0] in BOOKKEEPING or path.name in BOOKKEEPING or path.suffix == ".log"
+        if path.is_file() and not bookkeeping:
+            return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver(RESOLVER):
+        OmegaConf.register_new_resolver(RESOLVER, fresh_dir, use_cache=True)
+
+
+class OutputPathError(ValueError):
+    """An output location (run directory, checkpoint directory, inference output) cannot be written."""
+
+
+def ensure_writable_dir(path: str | Path, what: str) -> Path:
+    """Create `path` and prove it writable (a probe file), before any work is done; else one clear error."""
+    path = Path(path)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OutputPathError(f"cannot create {what} {path}: {blocker} is a file; choose another location")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+            pass
+    except OSError as err:
+        raise OutputPathError(
+            f"cannot write {what} {path}: {err.strerror or err}; choose another location"
+        ) from None
+    return path
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def check_output_dir(path: str | Path, setting: str, *, must_be_empty: bool) -> None:
+    """Exit with one line unless `path` can be created and written (and is empty, when asked)."""
+    path = Path(path)
+    try:
+        ensure_writable_dir(path, setting)
+    except OutputPathError as err:
+        _refuse(str(err))
+    if must_be_empty and (entries := sorted(p.name for p in path.iterdir())):
+        _refuse(
+            f"{setting} {path} is not empty ({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}): a "
+            "new run never writes into another run's directory. Choose another one, or leave it unset for a "
+            "fresh one; to continue that run, pass ckpt_path=<its checkpoints/last.ckpt>"
+        )
+
+
+class RunDirGuard(Callback):
+    """Checks the run / sweep directory before Hydra writes its files there."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_output_dir(config.hydra.run.dir, "hydra.run.dir", must_be_empty=not joins_existing_run())
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", must_be_empty=not joins_existing_run())
