@@ -12,8 +12,9 @@ def run_py(
     *overrides: str, env: dict | None = None, expect_ok: bool = True, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
     """Runs from the repository root with wandb offline; fails with the output's tail unless expect_ok=False."""
-    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     environment.pop("FLOWFORMER_TRACEBACK", None)
+    environment.update(env or {})
     result = subprocess.run(
         [sys.executable, "run.py", *overrides],
         cwd=REPO,

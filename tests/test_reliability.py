@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+import cv2
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from compose_helper import compose_run_config
@@ -237,11 +239,12 @@ def test_a_non_empty_run_directory_is_refused_before_anything_is_written(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]
 
 
-@pytest.mark.parametrize("where", ["checkpoints", "run dir parent", "infer output"])
+@pytest.mark.parametrize("where", ["checkpoints", "run dir parent", "run dir in /proc", "infer output"])
 def test_unwritable_output_locations_fail_before_any_work(tmp_path, where):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     run_dir = tmp_path / "run"
+    expected = f"{blocker} is a file"
     if where == "checkpoints":
         overrides = [
             "debug=tiny",
@@ -251,19 +254,25 @@ def test_unwritable_output_locations_fail_before_any_work(tmp_path, where):
         ]
     elif where == "run dir parent":
         overrides = ["debug=tiny", f"hydra.run.dir={blocker / 'run'}"]
+    elif where == "run dir in /proc":
+        overrides = ["debug=tiny", "hydra.run.dir=/proc/flowformer-test/run"]
+        expected = "cannot write hydra.run.dir /proc/flowformer-test/run"
     else:
+        frames = [tmp_path / "a.png", tmp_path / "b.png"]
+        for frame in frames:
+            cv2.imwrite(str(frame), np.zeros((32, 32, 3), np.uint8))
         overrides = [
             "task=infer",
             "backbone=tiny",
             "infer.checkpoint=unused.ckpt",
-            "infer.input=[a.png,b.png]",
+            f"infer.input=[{frames[0]},{frames[1]}]",
             f"infer.output_dir={blocker}",
             f"hydra.run.dir={run_dir}",
         ]
     result = run_py(*overrides, expect_ok=False)
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and f"{blocker} is a file" in errors[0], result.stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (run_dir / "csv" / "metrics.csv").exists()
 
