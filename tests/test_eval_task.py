@@ -1,6 +1,7 @@
 """task=eval: the per-set protocol (padding, tiling, iterations) and its metrics, with stand-in networks."""
 
 import json
+import logging
 from pathlib import Path
 
 import cv2
@@ -8,6 +9,7 @@ import hydra
 import numpy as np
 import pytest
 import torch
+from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.utils.data import Dataset
@@ -17,8 +19,6 @@ from flowformer.eval.padding import InputPadder
 from flowformer.metrics import FlowMetrics
 from flowformer.models import save_backbone
 from flowformer.tasks.eval import Protocol, evaluate_set, format_table, predict_flow, run
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 class ConstantFlowSet(Dataset):
@@ -131,7 +131,7 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None
         "eval.max_samples=2",
         "eval.benchmarks.synthetic.iters=2",
     ]
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
         tiled_cfg = compose(
             "config", overrides=[*overrides, "eval.tile=true", f"eval.results_json={tmp_path / 't.json'}"]
@@ -167,8 +167,9 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None
     )  # 4 tiles of 64x96 instead of one padded pass
 
 
-def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path) -> None:
-    """Test splits (no flow) go through DATA-A's writers: Sintel .flo tree and KITTI 16-bit PNGs."""
+def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path, caplog) -> None:
+    """Test splits (no flow) go through DATA-A's writers: Sintel .flo tree and KITTI 16-bit PNGs; without
+    eval.checkpoint the network keeps its random weights, with a warning."""
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
     for name in ("frame_0001.png", "frame_0002.png", "frame_0003.png"):
@@ -189,9 +190,11 @@ def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path) -> None:
         "eval.benchmarks.sintel_test_clean.iters=1",
         "eval.benchmarks.kitti_test.iters=1",
     ]
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    assert run(cfg) is None  # nothing to score on test splits
+    with caplog.at_level(logging.WARNING):
+        assert run(cfg) is None  # nothing to score on test splits
+    assert "eval.checkpoint is null: evaluating randomly initialised weights" in caplog.text
     submission = tmp_path / "out" / "submission"
     flows = sorted(p.relative_to(submission).as_posix() for p in submission.rglob("*.flo"))
     assert flows == ["sintel/clean/alley_9/frame0001.flo", "sintel/clean/alley_9/frame0002.flo"]
@@ -203,7 +206,7 @@ def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path) -> None:
 @pytest.mark.parametrize("preset", ["flowformer", "flowformer_pp"])
 def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
     """SPEC §7.2-7.3, §9.1.10: iterations, padding and tile protocols per set and variant."""
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["task=eval", f"eval={preset}"])
     sets = {name: Protocol.from_config(name, node) for name, node in cfg.eval.benchmarks.items()}
     ff = preset == "flowformer"
@@ -228,7 +231,7 @@ def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
 
 
 def test_missing_dataset_fails_before_the_network_with_the_eval_alternative(tmp_path: Path) -> None:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["task=eval", "backbone=flowformer", f"paths.data_dir={tmp_path}"])
     with pytest.raises(FileNotFoundError, match=r"eval set 'sintel_clean'(.|\n)*eval=synthetic"):
         run(cfg)

@@ -1,5 +1,5 @@
 """Bad inputs end in one clear error: corrupt flow files read in DataLoader workers, images too small for the
-network, and a decoder_iters that is not a positive integer."""
+network, and an iteration count that is not a positive integer."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import cv2
 import numpy as np
 import pytest
 import torch
-import yaml
 from torch.utils.data import DataLoader, Dataset
 
 from flowformer.data.io import FlowFileError, read_kitti_flow, read_pfm
 from flowformer.models import FlowFormer
-
-CONF = Path(__file__).resolve().parents[1] / "conf" / "backbone"
 
 
 class OneFileDataset(Dataset):
@@ -77,26 +74,19 @@ def test_flow_file_error_needs_a_path_and_a_problem() -> None:
         FlowFileError("no separator here")
 
 
-def _build(**overrides) -> FlowFormer:
-    cfg = yaml.safe_load((CONF / "tiny.yaml").read_text())
-    cfg.pop("_target_")
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    return FlowFormer(**cfg)
-
-
 @pytest.mark.parametrize("size", [(8, 8), (1, 1), (8, 16), (16, 8), (12, 12)])
-def test_too_small_images_name_the_minimum_for_the_cnn_encoder(size: tuple[int, int]) -> None:
-    net = _build().train()
+def test_too_small_images_name_the_minimum_for_the_cnn_encoder(
+    tiny_net: FlowFormer, size: tuple[int, int]
+) -> None:
     image = torch.zeros(1, 3, *size)
     expected = f"cnn image encoder needs images of at least 16x16 pixels, got {size[0]}x{size[1]};"
     with pytest.raises(ValueError, match=expected):
-        net(image, image)
+        tiny_net(image, image, iters=1)
 
 
 @pytest.mark.parametrize("size", [(16, 16), (16, 24), (24, 16)])
-def test_16x16_is_enough_for_the_cnn_encoder(size: tuple[int, int]) -> None:
-    net = _build().train()
+def test_16x16_is_enough_for_the_cnn_encoder(tiny_net: FlowFormer, size: tuple[int, int]) -> None:
+    net = tiny_net.train()
     image = torch.rand(2, 3, *size) * 255
     out = net(image, image.flip(-1), iters=2)
     out["flow"].abs().mean().backward()
@@ -110,7 +100,7 @@ def test_too_small_images_name_the_minimum_for_the_twins_encoder(size: tuple[int
         image = torch.zeros(1, 3, *size)
     expected = f"twins image encoder needs images of at least 32x32 pixels, got {size[0]}x{size[1]};"
     with pytest.raises(ValueError, match=expected):
-        net(image, image)
+        net(image, image, iters=1)
 
 
 def test_32x32_is_enough_for_the_twins_encoder() -> None:
@@ -122,8 +112,13 @@ def test_32x32_is_enough_for_the_twins_encoder() -> None:
     assert flow.shape == (1, 2, 32, 32) and torch.isfinite(flow).all()
 
 
-@pytest.mark.parametrize("iters", [0, -3, 2.5, True, "12"])
-def test_decoder_iters_must_be_a_positive_integer(iters: object) -> None:
-    with pytest.raises(ValueError, match=rf"backbone.decoder_iters must be an integer >= 1 .*got {iters!r}"):
-        _build(decoder_iters=iters)
-    assert _build(decoder_iters=1).decoder_iters == 1
+@pytest.mark.parametrize("iters", [0, -3, 2.5, True, "12", None])
+def test_iters_must_be_a_positive_integer(tiny_net: FlowFormer, iters: object) -> None:
+    image = torch.rand(1, 3, 16, 16) * 255
+    with pytest.raises(
+        ValueError, match=rf"FlowFormer.forward: iters must be an integer >= 1 .*got {iters!r}"
+    ):
+        tiny_net(image, image, iters=iters)
+    with pytest.raises(TypeError, match="iters"):  # no default: every caller says how many iterations
+        tiny_net(image, image)
+    assert tiny_net(image, image, iters=1)["flow"].shape == (1, 2, 16, 16)

@@ -6,16 +6,16 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import backbone_config
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, default_collate
 
 from flowformer.data.synthetic import SyntheticFlowDataset
 from flowformer.lit.flow import FlowModule, NonFiniteLossError
 from flowformer.metrics import ValidationMetrics
+from flowformer.models.checkpoint import LIGHTNING_PREFIX
 
-TINY = Path(__file__).resolve().parents[1] / "conf" / "backbone" / "tiny.yaml"
 SIZE = (64, 96)
 
 
@@ -35,7 +35,7 @@ class FixedOrderData(L.LightningDataModule):
 
 def make_module(**overrides) -> FlowModule:
     settings = {"lr": 4e-4, "weight_decay": 1e-4, "train_iters": 2, "val_iters": 2, **overrides}
-    return FlowModule(backbone=OmegaConf.load(TINY), **settings)
+    return FlowModule(backbone=backbone_config(), **settings)
 
 
 def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2, logger=False) -> L.Trainer:
@@ -81,10 +81,24 @@ def test_fit_logs_named_val_metrics_panels_and_checkpoint_loads_weights_only(tmp
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 2
     assert checkpoint["hyper_parameters"]["backbone"]["_target_"] == "flowformer.models.FlowFormer"
-    assert all(key.startswith("backbone.") for key in checkpoint["state_dict"])
+    assert all(key.startswith(LIGHTNING_PREFIX) for key in checkpoint["state_dict"])  # what init_from reads
     # OneCycle length is trainer.max_steps + 100 (SPEC §6.2)
     assert checkpoint["lr_schedulers"][0]["total_steps"] == 102
     restored = FlowModule.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[key], value)
+
+
+def test_checkpoint_with_the_retired_decoder_iters_still_loads(tmp_path):
+    module = make_module()
+    old_backbone = {**module.hparams["backbone"], "decoder_iters": 12}  # as checkpoints saved before its removal
+    hparams = {**module.hparams, "backbone": old_backbone}
+    torch.save(
+        {"state_dict": module.state_dict(), "hyper_parameters": hparams, "pytorch-lightning_version": L.__version__},
+        tmp_path / "old.ckpt",
+    )
+    restored = FlowModule.load_from_checkpoint(tmp_path / "old.ckpt", weights_only=True)
+    assert restored.backbone.config == module.backbone.config
     for key, value in module.state_dict().items():
         torch.testing.assert_close(restored.state_dict()[key], value)
 

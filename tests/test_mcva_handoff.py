@@ -8,8 +8,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import REPO_DIR, backbone_config
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from flowformer.lit.flow import FlowModule
@@ -17,15 +17,8 @@ from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.models import load_backbone_weights
 from flowformer.models.checkpoint import CheckpointMismatchError
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURE_C = REPO.parent / "shared" / "fixtures" / "flowformer_pp_c"
+FIXTURE_C = REPO_DIR.parent / "shared" / "fixtures" / "flowformer_pp_c"
 HEAD = "memory_decoder.pretrain_head."
-
-
-def backbone_config(name: str = "tiny", **overrides) -> dict:
-    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "backbone" / f"{name}.yaml"))
-    cfg.update(overrides)
-    return cfg
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,11 @@
 """MCVAPretrainModule on the tiny backbone: replayable draws, freezing, masked tokenisation, rounds, knobs, logging."""
 
-from pathlib import Path
-
 import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import backbone_config
 from lightning.pytorch.loggers import CSVLogger, Logger
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from flowformer.lit.mcva import MCVAPretrainModule, mask_panel, patch_panel
@@ -19,20 +17,13 @@ from flowformer.models.mcva import (
     reconstruction_loss,
 )
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 H, W = 96, 128  # 1/8 res: 12 x 16 source pixels, 2 x 2 cost-map tokens each
-
-
-def tiny_config(**overrides) -> dict:
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "backbone" / "tiny.yaml"))
-    cfg.update(overrides)
-    return cfg
 
 
 def make_module(backbone_overrides: dict | None = None, **kwargs) -> MCVAPretrainModule:
     torch.manual_seed(0)
     kwargs.setdefault("query_num", 3)
-    return MCVAPretrainModule(backbone=tiny_config(**(backbone_overrides or {})), **kwargs)
+    return MCVAPretrainModule(backbone=backbone_config(**(backbone_overrides or {})), **kwargs)
 
 
 def image_pair(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,11 +98,10 @@ def test_unfreezing_each_encoder_lets_it_learn():
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in encoder.parameters())
 
 
-def test_masked_cost_patches_do_not_reach_the_cost_memory():
+def test_masked_cost_patches_do_not_reach_the_cost_memory(tiny_net: FlowFormer):
     """Masked convolution over the 3-level mask pyramid + gathering the visible tokens before the latent
     cross-attention: whatever a removed 8x8 patch contains, the cost memory is the same."""
-    torch.manual_seed(0)
-    net = FlowFormer(**{k: v for k, v in tiny_config().items() if k != "_target_"}).eval()
+    net = tiny_net.eval()
     h1, w1 = 16, 24
     cost_maps = torch.randn(h1 * w1, 1, h1, w1) * 10  # [B*H1*W1, 1, H1, W1], B = 1
     context = torch.randn(1, 64, h1, w1)
@@ -164,7 +154,7 @@ def test_fixed_locations_repeat_the_same_round():
 
 def test_clear_errors_for_a_backbone_without_head_and_for_bad_sizes():
     with pytest.raises(ValueError, match="flowformer_pp"):
-        MCVAPretrainModule(backbone=tiny_config(variant="flowformer"))
+        MCVAPretrainModule(backbone=backbone_config(variant="flowformer"))
     module = make_module()
     with pytest.raises(ValueError, match="multiples of 8"):
         module.pretrain_step(torch.zeros(1, 3, 60, 96), torch.zeros(1, 3, 60, 96))

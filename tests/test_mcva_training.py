@@ -1,19 +1,16 @@
 """MCVA at CPU scale: the reconstruction loss falls on tiny + synthetic clips, and task=pretrain runs from the CLI."""
 
 import csv
-from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from omegaconf import OmegaConf
 from run_helper import run_py
 from torch.utils.data import DataLoader
 
 from flowformer.data.synthetic import SyntheticVideoDataset
 from flowformer.lit.mcva import MCVAPretrainModule
 
-REPO = Path(__file__).resolve().parents[1]
 # predicting 0 for a per-pixel normalised 225-value window costs (C-1)/C ~= 0.9956 per round
 ZERO_PREDICTION_LOSS = 224 / 225
 
@@ -26,10 +23,9 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def test_reconstruction_loss_falls_within_thirty_steps_on_synthetic_clips():
+def test_reconstruction_loss_falls_within_thirty_steps_on_synthetic_clips(tiny_config: dict):
     L.seed_everything(0)
-    backbone = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "backbone" / "tiny.yaml"))
-    module = MCVAPretrainModule(backbone=backbone, query_num=4, log_images_every_n_steps=0)
+    module = MCVAPretrainModule(backbone=tiny_config, query_num=4, log_images_every_n_steps=0)
     clips = SyntheticVideoDataset(num_samples=64, size=(64, 96), seed=0)
     recorder = LossRecorder()
     trainer = L.Trainer(

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from conftest import CONF_DIR, REPO_DIR, backbone_config, backbone_kwargs, build_backbone
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from flowformer.models import FlowFormer, export_official, load_backbone_weights, load_official, save_backbone
 from flowformer.models.checkpoint import (
@@ -22,21 +21,12 @@ from flowformer.models.checkpoint import (
 from flowformer.models.convert import main as convert
 from flowformer.models.encoders import TwinsEncoder
 
-ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT.parent / "shared" / "reference"
-CONF = ROOT / "conf" / "backbone"
+REFERENCE = REPO_DIR.parent / "shared" / "reference"
 
 
 def meta_net(**kwargs) -> FlowFormer:
     with torch.device("meta"):
         return FlowFormer(**kwargs)
-
-
-def tiny(**overrides) -> FlowFormer:
-    cfg = yaml.safe_load((CONF / "tiny.yaml").read_text())
-    cfg.pop("_target_")
-    cfg.update(overrides)
-    return FlowFormer(**cfg)
 
 
 def read_key_list(name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -64,16 +54,14 @@ def test_state_dict_equals_official_key_list(variant: str, key_list: str, n_para
 
 @pytest.mark.parametrize("name", ["flowformer", "flowformer_pp", "small", "tiny"])
 def test_backbone_configs_instantiate_with_hydra(name: str) -> None:
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg = backbone_config(name)
     with torch.device("meta"):
         net = instantiate(cfg)
-    assert isinstance(net, FlowFormer) and net.variant == cfg.variant
+    assert isinstance(net, FlowFormer) and net.variant == cfg["variant"]
 
 
 def test_small_is_the_papers_flowformer_small() -> None:
-    net = meta_net(
-        **{k: v for k, v in yaml.safe_load((CONF / "small.yaml").read_text()).items() if k != "_target_"}
-    )
+    net = meta_net(**backbone_kwargs("small"))
     keys = net.state_dict()
     assert keys["memory_encoder.cost_perceiver_encoder.latent_tokens"].shape == (1, 4, 32)
     assert len(net.memory_encoder.cost_perceiver_encoder.encoder_layers) == 1
@@ -93,10 +81,10 @@ def official_file(tmp_path: Path, net: FlowFormer, *, prefix: bool = True) -> Pa
 
 
 def test_export_official_round_trips_exactly(tmp_path: Path) -> None:
-    net = tiny()
+    net = build_backbone()
     exported = export_official(net, tmp_path / "o.pth")
     assert all(k.startswith("module.") for k in exported)
-    again = tiny()
+    again = build_backbone()
     load_backbone_weights(again, tmp_path / "o.pth")
     back = export_official(again)
     assert exported.keys() == back.keys() and all(torch.equal(exported[k], back[k]) for k in exported)
@@ -104,8 +92,8 @@ def test_export_official_round_trips_exactly(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("prefix", [True, False])
 def test_official_file_loads_with_or_without_module_prefix(tmp_path: Path, prefix: bool) -> None:
-    src = tiny()
-    dst = tiny()
+    src = build_backbone()
+    dst = build_backbone()
     report = load_backbone_weights(dst, official_file(tmp_path, src, prefix=prefix))
     assert report.source == "official" and report.skipped == []
     for key, value in src.state_dict().items():
@@ -114,13 +102,13 @@ def test_official_file_loads_with_or_without_module_prefix(tmp_path: Path, prefi
 
 
 def test_mismatch_lists_missing_unexpected_and_shapes(tmp_path: Path) -> None:
-    state = export_official(tiny())
+    state = export_official(build_backbone())
     del state["module.memory_decoder.proj.bias"]
     state["module.extra.weight"] = torch.zeros(1)
     state["module.memory_decoder.proj.weight"] = torch.zeros(3, 3, 1, 1)
     torch.save(state, tmp_path / "bad.pth")
     with pytest.raises(CheckpointMismatchError) as err:
-        load_backbone_weights(tiny(), tmp_path / "bad.pth")
+        load_backbone_weights(build_backbone(), tmp_path / "bad.pth")
     text = str(err.value)
     assert "missing keys (1)" in text and "memory_decoder.proj.bias" in text
     assert "unexpected keys (1)" in text and "extra.weight" in text
@@ -128,7 +116,7 @@ def test_mismatch_lists_missing_unexpected_and_shapes(tmp_path: Path) -> None:
 
 
 def test_load_official_refuses_the_other_variant(tmp_path: Path) -> None:
-    path = official_file(tmp_path, tiny(variant="flowformer"))
+    path = official_file(tmp_path, build_backbone(variant="flowformer"))
     with pytest.raises(CheckpointMismatchError, match="channel_convertor"):
         load_official(path, variant="flowformer_pp", **tiny_kwargs())
     net = load_official(path, variant="flowformer", **tiny_kwargs())
@@ -136,17 +124,16 @@ def test_load_official_refuses_the_other_variant(tmp_path: Path) -> None:
 
 
 def tiny_kwargs() -> dict:
-    cfg = yaml.safe_load((CONF / "tiny.yaml").read_text())
-    return {k: v for k, v in cfg.items() if k not in ("_target_", "variant")}
+    return {k: v for k, v in backbone_kwargs().items() if k != "variant"}
 
 
 def test_lightning_checkpoint_with_skip_prefixes(tmp_path: Path) -> None:
-    src = tiny()
+    src = build_backbone()
     ckpt = {"state_dict": {f"backbone.{k}": v for k, v in src.state_dict().items()}, "epoch": 3}
     ckpt["state_dict"]["backbone.memory_decoder.pretrain_head.4.weight"] = torch.zeros(9, 64, 1, 1)
     ckpt["state_dict"]["metric.total"] = torch.zeros(1)
     torch.save(ckpt, tmp_path / "last.ckpt")
-    dst = tiny()
+    dst = build_backbone()
     before = dst.memory_decoder.pretrain_head[4].weight.clone()
     with pytest.raises(CheckpointMismatchError, match="pretrain_head.4.weight"):
         load_backbone_weights(dst, tmp_path / "last.ckpt")
@@ -160,20 +147,33 @@ def test_lightning_checkpoint_with_skip_prefixes(tmp_path: Path) -> None:
 
 
 def test_save_backbone_is_plain_and_rebuilds(tmp_path: Path) -> None:
-    net = tiny(decoder_iters=2)
+    net = build_backbone(tokenize_chunk=64)
     save_backbone(tmp_path / "b.ckpt", net)
     obj = torch.load(tmp_path / "b.ckpt", weights_only=True)
-    assert obj["format"] == "flowformer-backbone" and obj["config"]["decoder_iters"] == 2
+    assert obj["format"] == "flowformer-backbone" and obj["config"]["tokenize_chunk"] == 64
     rebuilt = load_backbone(tmp_path / "b.ckpt")
+    assert rebuilt.config == net.config
     assert all(torch.equal(v, rebuilt.state_dict()[k]) for k, v in net.state_dict().items())
-    other = tiny()
+    other = build_backbone()
     assert load_backbone_weights(other, tmp_path / "b.ckpt").source == "backbone"
 
 
+def test_backbone_file_with_the_retired_decoder_iters_still_loads(tmp_path: Path) -> None:
+    net = build_backbone()
+    save_backbone(tmp_path / "b.ckpt", net)
+    obj = torch.load(tmp_path / "b.ckpt", weights_only=True)
+    old_config = {**obj["config"], "decoder_iters": 12}  # as files saved before the knob was removed hold it
+    torch.save({**obj, "config": old_config}, tmp_path / "old.ckpt")
+    rebuilt = load_backbone(tmp_path / "old.ckpt")
+    assert rebuilt.config == net.config
+    assert all(torch.equal(v, rebuilt.state_dict()[k]) for k, v in net.state_dict().items())
+
+
 def test_convert_cli_both_directions(tmp_path: Path) -> None:
-    official = official_file(tmp_path, tiny(variant="flowformer"))
+    official = official_file(tmp_path, build_backbone(variant="flowformer"))
     ours, back = tmp_path / "ours.ckpt", tmp_path / "back.pth"
-    convert([str(official), str(ours), "--variant", "flowformer", "--backbone", str(CONF / "tiny.yaml")])
+    tiny_yaml = CONF_DIR / "backbone" / "tiny.yaml"
+    convert([str(official), str(ours), "--variant", "flowformer", "--backbone", str(tiny_yaml)])
     assert load_backbone(ours).variant == "flowformer"
     convert([str(ours), str(back), "--to-official"])
     a = torch.load(official, weights_only=True)
@@ -261,11 +261,11 @@ def test_read_checkpoint_wants_a_dict(tmp_path: Path) -> None:
     with pytest.raises(CheckpointReadError, match=r"list\.pth holds a list, expected a dict"):
         read_checkpoint(tmp_path / "list.pth")
     with pytest.raises(CheckpointReadError, match=r"list\.pth holds a list"):
-        load_backbone_weights(tiny(), tmp_path / "list.pth")
+        load_backbone_weights(build_backbone(), tmp_path / "list.pth")
 
 
 def _backbone_file(tmp_path: Path) -> Path:
-    save_backbone(tmp_path / "ours.ckpt", tiny())
+    save_backbone(tmp_path / "ours.ckpt", build_backbone())
     return tmp_path / "ours.ckpt"
 
 
@@ -307,14 +307,14 @@ def test_convert_cli_reports_bad_input_in_one_line(
     ("dst", "kind"), [("no/dir/b.ckpt", FileNotFoundError), ("b.ckpt/x", NotADirectoryError)]
 )
 def test_save_backbone_names_an_unwritable_destination(tmp_path: Path, dst: str, kind: type[OSError]) -> None:
-    save_backbone(tmp_path / "b.ckpt", tiny())
+    save_backbone(tmp_path / "b.ckpt", build_backbone())
     with pytest.raises(kind) as err:
-        save_backbone(tmp_path / dst, tiny())
+        save_backbone(tmp_path / dst, build_backbone())
     assert str(err.value).startswith(f"cannot write checkpoint {tmp_path / dst} (")
 
 
 def test_convert_cli_reports_mismatching_keys(tmp_path: Path, capsys) -> None:
-    official = official_file(tmp_path, tiny(variant="flowformer"))
+    official = official_file(tmp_path, build_backbone(variant="flowformer"))
     with pytest.raises(SystemExit) as exit_info:
         convert([str(official), str(tmp_path / "ours.ckpt"), "--variant", "flowformer"])  # not the tiny knobs
     assert exit_info.value.code == 1

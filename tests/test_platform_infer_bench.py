@@ -1,5 +1,5 @@
 """task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output), task=bench (forward, train and
-MCVA pretrain steps) on CPU."""
+MCVA pretrain steps) on CPU, their config groups, and the device / precision / network helpers they share."""
 
 import json
 from pathlib import Path
@@ -9,18 +9,22 @@ import hydra
 import numpy as np
 import pytest
 import torch
+from compose_helper import compose_run_config
+from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.models import save_backbone
+from flowformer.models.checkpoint import CheckpointMismatchError, load_backbone
 from flowformer.tasks import bench, infer, run_task
+from flowformer.tasks.runtime import autocast_context, load_network
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CPU = torch.device("cpu")
 HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
 
 
 def config(*overrides: str):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=["backbone=tiny", *overrides])
 
 
@@ -108,3 +112,37 @@ def test_unreadable_image_is_one_clear_message(tmp_path, checkpoint, capsys):
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert "error (FlowFileError)" in err and str(broken) in err
+
+
+def test_infer_and_bench_settings_are_config_groups():
+    cfg = compose_run_config(["task=infer", "infer.input=[a.png,b.png]", "infer.checkpoint=c.pt"])
+    assert cfg.hydra.runtime.choices.infer == "default" and cfg.hydra.runtime.choices.bench == "default"
+    assert list(cfg.infer.input) == ["a.png", "b.png"] and cfg.infer.checkpoint == "c.pt"
+    settings = (cfg.infer.output_dir, cfg.infer.iters, cfg.infer.format, cfg.infer.pad_mode, cfg.infer.device)
+    assert settings == ("/out/flow", 12, "flo", "sintel", "auto")
+    cfg = compose_run_config(["task=bench", "bench.height=432", "bench.width=960"])
+    assert (cfg.bench.mode, cfg.bench.height, cfg.bench.width, cfg.bench.iters) == ("forward", 432, 960, 12)
+    assert cfg.bench.precision == "32-true"
+
+
+def test_infer_refuses_a_null_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="infer.checkpoint is null"):
+        infer.run(config(f"infer.input={tmp_path}", "infer.checkpoint=null"))
+
+
+def test_load_network_loads_the_checkpoint_strictly_in_eval_mode(checkpoint):
+    net = load_network(config().backbone, str(checkpoint), CPU)
+    saved = load_backbone(checkpoint).state_dict()
+    assert not net.training and all(torch.equal(value, saved[key]) for key, value in net.state_dict().items())
+    assert load_network(config().backbone, None, CPU).state_dict().keys() == saved.keys()  # random weights
+    with pytest.raises(CheckpointMismatchError):
+        load_network(config("backbone.agt_depth=2").backbone, str(checkpoint), CPU)
+
+
+def test_autocast_context_follows_the_precision_and_names_the_setting():
+    with autocast_context(CPU, "bf16-mixed", "bench.precision"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with autocast_context(CPU, "32-true", "bench.precision"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"eval.precision='fp8': expected one of 32-true, bf16-mixed, 16-mixed"):
+        autocast_context(CPU, "fp8", "eval.precision")

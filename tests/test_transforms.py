@@ -54,10 +54,29 @@ def _warp_error(
     return float(np.abs(warped - img1.astype(np.float32))[inside].mean())
 
 
+def _assert_consistent(
+    img1: np.ndarray, img2: np.ndarray, flow: np.ndarray, tolerance: float, mask: np.ndarray | None = None
+) -> None:
+    """The flow warps img2 onto img1 within `tolerance` grey levels, and zero flow does not (so the test bites)."""
+    assert _warp_error(img1, img2, flow, mask) < tolerance
+    assert _warp_error(img1, img2, np.zeros_like(flow), mask) > 10.0
+
+
+def _without_geometry(**settings) -> FlowAugmentor:
+    """A FlowAugmentor for 64x80 images that neither scales, stretches, crops nor flips."""
+    return FlowAugmentor(
+        crop_size=(64, 80),
+        spatial_prob=0.0,
+        do_flip=False,
+        min_scale=0.0,
+        max_scale=0.0,
+        stretch_prob=0.0,
+        **settings,
+    )
+
+
 def test_smooth_pair_is_consistent_before_augmentation() -> None:
-    img1, img2, flow = _smooth_pair()
-    assert _warp_error(img1, img2, flow) < 1.0
-    assert _warp_error(img1, img2, np.zeros_like(flow)) > 10.0
+    _assert_consistent(*_smooth_pair(), tolerance=1.0)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -75,8 +94,7 @@ def test_dense_spatial_augmentation_keeps_flow_consistent(seed: int) -> None:
     a1, a2, aflow = augmentor(img1, img2, flow, np.random.default_rng(seed))
     assert a1.shape == a2.shape == (64, 96, 3) and a1.dtype == np.uint8
     assert aflow.shape == (64, 96, 2) and aflow.dtype == np.float32
-    assert _warp_error(a1, a2, aflow) < 1.5
-    assert _warp_error(a1, a2, np.zeros_like(aflow)) > 10.0
+    _assert_consistent(a1, a2, aflow, tolerance=1.5)
 
 
 def test_flips_negate_the_matching_flow_component() -> None:
@@ -93,7 +111,7 @@ def test_flips_negate_the_matching_flow_component() -> None:
     )
     a1, a2, aflow = augmentor(img1, img2, flow, np.random.default_rng(0))
     assert np.all(aflow[..., 0] < 0)  # u > 0 everywhere before the horizontal flip
-    assert _warp_error(a1, a2, aflow) < 1.0
+    _assert_consistent(a1, a2, aflow, tolerance=1.0)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -115,8 +133,7 @@ def test_sparse_augmentation_keeps_valid_points_consistent(seed: int) -> None:
     assert a1.shape == (128, 96, 3) and aflow.shape == (128, 96, 2) and avalid.shape == (128, 96)
     assert set(np.unique(avalid)) <= {0.0, 1.0} and avalid.sum() > 100
     assert np.all(aflow[avalid == 0] == 0)
-    assert _warp_error(a1, a2, aflow, mask=avalid) < 2.0
-    assert _warp_error(a1, a2, np.zeros_like(aflow), mask=avalid) > 10.0
+    _assert_consistent(a1, a2, aflow, tolerance=2.0, mask=avalid)
 
 
 def test_resample_sparse_flow_scatters_and_scales() -> None:
@@ -136,20 +153,14 @@ def test_resample_sparse_flow_scatters_and_scales() -> None:
     assert up_valid[11, 13] == 1.0 and up_valid[1, 1] == 1.0
 
 
-def test_eraser_touches_only_img2_and_photometric_symmetry() -> None:
-    rng = np.random.default_rng(0)
-    img = rng.integers(0, 256, size=(64, 80, 3), dtype=np.uint8)
+def _noise_image() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, size=(64, 80, 3), dtype=np.uint8)
+
+
+def test_eraser_touches_only_img2() -> None:
+    img = _noise_image()
     flow = np.zeros((64, 80, 2), dtype=np.float32)
-    eraser_only = FlowAugmentor(
-        crop_size=(64, 80),
-        photometric=False,
-        eraser_prob=1.0,
-        spatial_prob=0.0,
-        do_flip=False,
-        min_scale=0.0,
-        max_scale=0.0,
-        stretch_prob=0.0,
-    )
+    eraser_only = _without_geometry(photometric=False, eraser_prob=1.0)
     out1, out2, _ = eraser_only(img, img.copy(), flow, np.random.default_rng(1))
     np.testing.assert_array_equal(out1, img)
     changed = (out2 != img).any(axis=-1)
@@ -158,32 +169,19 @@ def test_eraser_touches_only_img2_and_photometric_symmetry() -> None:
         out2[changed], np.broadcast_to(img.reshape(-1, 3).mean(0), (changed.sum(), 3)), atol=1
     )
 
+
+def test_color_jitter_changes_the_image() -> None:
+    img = _noise_image()
     jitter = ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.5 / 3.14)
     assert not np.array_equal(jitter(img, np.random.default_rng(3)), img)
-    symmetric = FlowAugmentor(
-        crop_size=(64, 80),
-        asymmetric_prob=0.0,
-        eraser_prob=0.0,
-        spatial_prob=0.0,
-        do_flip=False,
-        min_scale=0.0,
-        max_scale=0.0,
-        stretch_prob=0.0,
-    )
-    asymmetric = FlowAugmentor(
-        crop_size=(64, 80),
-        asymmetric_prob=1.0,
-        eraser_prob=0.0,
-        spatial_prob=0.0,
-        do_flip=False,
-        min_scale=0.0,
-        max_scale=0.0,
-        stretch_prob=0.0,
-    )
-    s1, s2, _ = symmetric(img, img.copy(), flow, np.random.default_rng(4))
-    np.testing.assert_array_equal(s1, s2)
-    a1, a2, _ = asymmetric(img, img.copy(), flow, np.random.default_rng(4))
-    assert not np.array_equal(a1, a2)
+
+
+@pytest.mark.parametrize("asymmetric_prob", [0.0, 1.0])
+def test_photometric_jitter_is_shared_unless_asymmetric(asymmetric_prob: float) -> None:
+    img = _noise_image()
+    augmentor = _without_geometry(asymmetric_prob=asymmetric_prob, eraser_prob=0.0)
+    out1, out2, _ = augmentor(img, img.copy(), np.zeros((64, 80, 2), np.float32), np.random.default_rng(4))
+    assert np.array_equal(out1, out2) == (asymmetric_prob == 0.0)
 
 
 def test_image_pair_augmentor_crops_and_keeps_alignment() -> None:

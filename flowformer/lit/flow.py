@@ -17,7 +17,7 @@ from flowformer.lit.images import image_api, log_images
 from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.losses import sequence_loss
 from flowformer.metrics import ValidationMetrics
-from flowformer.models.checkpoint import load_backbone_weights
+from flowformer.models.checkpoint import load_backbone_weights, without_retired_keys
 from flowformer.viz import flow_panel
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ def plain_backbone_config(backbone: nn.Module | Mapping[str, Any]) -> dict[str, 
 
 
 def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
-    """An nn.Module as is, or a `_target_` mapping (e.g. conf/backbone/*.yaml) instantiated by Hydra."""
+    """An nn.Module as is, or a `_target_` mapping (e.g. conf/backbone/*.yaml, or the `backbone` hyper-parameters
+    of a checkpoint, which may hold knobs FlowFormer no longer takes) instantiated by Hydra."""
     if isinstance(backbone, nn.Module):
         return backbone
     if "_target_" not in backbone:
@@ -45,7 +46,7 @@ def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
             f"model.backbone must be an nn.Module or a config with `_target_` (see conf/backbone/); "
             f"got keys {sorted(backbone)}"
         )
-    return hydra.utils.instantiate(backbone)
+    return hydra.utils.instantiate(without_retired_keys(backbone))
 
 
 def check_finite(value: Tensor, what: str, step: int) -> None:

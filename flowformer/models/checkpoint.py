@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +25,13 @@ log = logging.getLogger(__name__)
 
 BACKBONE_FORMAT = "flowformer-backbone"
 OFFICIAL_PREFIX = "module."
+# Lightning .ckpt keys of the network: FlowModule and MCVAPretrainModule (flowformer/lit/) hold it as their
+# `backbone` attribute. Spelled out here rather than read from those classes because models/ must not import lit/.
 LIGHTNING_PREFIX = "backbone."
+# Constructor knobs FlowFormer no longer takes, dropped wherever a stored backbone config is read (our backbone
+# files, the `backbone` hyper-parameters of Lightning checkpoints) so files saved before their removal still load.
+# decoder_iters: the old default of forward's `iters`, which every caller now passes itself.
+RETIRED_BACKBONE_KEYS = ("decoder_iters",)
 
 
 @dataclass
@@ -134,7 +141,7 @@ def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str]:
         }
         if not state:
             raise ValueError(
-                f"{path}: a Lightning checkpoint without `backbone.` keys; expected the state of "
+                f"{path}: a Lightning checkpoint without `{LIGHTNING_PREFIX}` keys; expected the state of "
                 "FlowModule or MCVAPretrainModule"
             )
         return state, "lightning"
@@ -198,7 +205,7 @@ def load_backbone_weights(
 
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:
     """Build the official architecture of `variant` (Twins encoders, paper knobs) and load a released checkpoint
-    strictly; returns the network in eval mode. `overrides` change constructor knobs (e.g. decoder_iters=32)."""
+    strictly; returns the network in eval mode. `overrides` change constructor knobs (e.g. tokenize_chunk=4096)."""
     state, _ = _unwrap(read_checkpoint(path), path)
     with torch.device("meta"):
         net = FlowFormer(variant=variant, **overrides)
@@ -206,6 +213,11 @@ def load_official(path: str | Path, variant: str = "flowformer", **overrides) ->
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     net.load_state_dict(state, strict=True, assign=True)
     return net.eval()
+
+
+def without_retired_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored backbone config without the knobs FlowFormer no longer takes (RETIRED_BACKBONE_KEYS)."""
+    return {k: v for k, v in config.items() if k not in RETIRED_BACKBONE_KEYS}
 
 
 def save_backbone(path: str | Path, net: FlowFormer) -> None:
@@ -227,7 +239,7 @@ def load_backbone(path: str | Path) -> FlowFormer:
     if obj.get("format") != BACKBONE_FORMAT:
         raise ValueError(f"{path} is not a {BACKBONE_FORMAT} file; use load_official for released .pth files")
     with torch.device("meta"):
-        net = FlowFormer(**obj["config"])
+        net = FlowFormer(**without_retired_keys(obj["config"]))
     check_compatible(net, obj["state_dict"], f"backbone checkpoint {path}")
     net.load_state_dict(obj["state_dict"], strict=True, assign=True)
     return net

@@ -58,7 +58,6 @@ class FlowFormer(nn.Module):
         query_dim: int = 64,
         cost_heads: int = 1,
         context_proj_dim: int = 64,
-        decoder_iters: int = 12,
         decoder_query: str = "crop_and_pe",
         recon_size: int = 15,
         recon_head_depth: int = 3,
@@ -77,10 +76,6 @@ class FlowFormer(nn.Module):
         if image_encoder == "cnn" and twins_weights is not None:
             raise ValueError(
                 "backbone.twins_weights is set but backbone.image_encoder is 'cnn'; set it to null"
-            )
-        if isinstance(decoder_iters, bool) or not isinstance(decoder_iters, int) or decoder_iters < 1:
-            raise ValueError(
-                f"backbone.decoder_iters must be an integer >= 1 (refinement iterations), got {decoder_iters!r}"
             )
         if feature_dim % cost_heads != 0:
             raise ValueError(
@@ -101,7 +96,6 @@ class FlowFormer(nn.Module):
             "query_dim": query_dim,
             "cost_heads": cost_heads,
             "context_proj_dim": context_proj_dim,
-            "decoder_iters": decoder_iters,
             "decoder_query": decoder_query,
             "recon_size": recon_size,
             "recon_head_depth": recon_head_depth,
@@ -110,7 +104,6 @@ class FlowFormer(nn.Module):
         }
         self.variant = variant
         self.cost_heads = cost_heads
-        self.decoder_iters = decoder_iters
         is_pp = variant == "flowformer_pp"
 
         def image_net() -> nn.Module:
@@ -218,16 +211,19 @@ class FlowFormer(nn.Module):
 
     # ---- full forward ---------------------------------------------------------------------------------------
     def forward(
-        self, image1: Tensor, image2: Tensor, iters: int | None = None, flow_init: Tensor | None = None
+        self, image1: Tensor, image2: Tensor, iters: int, flow_init: Tensor | None = None
     ) -> dict[str, Tensor | list[Tensor]]:
         """-> {"flow": [B,2,H,W], "flow_low": [B,2,H/8,W/8]} (+ "flow_predictions": list per iteration when
-        training)."""
+        training). iters: decoder refinement iterations (each caller's setting: model.train_iters /
+        model.val_iters, eval.benchmarks.<set>.iters, infer.iters, bench.iters)."""
+        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+            raise ValueError(
+                f"FlowFormer.forward: iters must be an integer >= 1 (refinement iterations), got {iters!r}"
+            )
         feat1, feat2, context = self.encode_images(image1, image2)
         cost_maps = self.cost_volume(feat1, feat2)
         cost_memory = self.encode_cost(cost_maps, context)
-        steps = self.decode(
-            cost_memory, cost_maps, context, self.decoder_iters if iters is None else iters, flow_init
-        )
+        steps = self.decode(cost_memory, cost_maps, context, iters, flow_init)
         out: dict[str, Tensor | list[Tensor]] = {"flow": steps[-1][0], "flow_low": steps[-1][1]}
         if self.training:
             out["flow_predictions"] = [flow_up for flow_up, _ in steps]

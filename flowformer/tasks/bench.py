@@ -20,7 +20,6 @@ import logging
 import resource
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -28,29 +27,11 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
+from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
+from flowformer.tasks.runtime import autocast_context, load_network, pick_device
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; anything else as given (clear error when CUDA is absent)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} asked for CUDA, but torch sees no GPU here; use device=cpu")
-    return device
-
-
-def autocast_context(device: torch.device, precision: str):
-    """'32-true' -> no autocast; 'bf16-mixed' / '16-mixed' -> autocast in that dtype (as the trainer does)."""
-    if precision == "32-true":
-        return nullcontext()
-    dtypes = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-    if precision not in dtypes:
-        raise ValueError(f"bench.precision={precision!r}: expected one of 32-true, bf16-mixed, 16-mixed")
-    return torch.autocast(device_type=device.type, dtype=dtypes[precision])
 
 
 def peak_rss_mib() -> float:
@@ -67,16 +48,16 @@ def build_step(
     if bench.mode not in modes:
         raise ValueError(f"bench.mode={bench.mode!r}: expected one of {modes}")
     if bench.mode == "forward":
-        net = hydra.utils.instantiate(cfg.backbone).to(device).eval()
+        net = load_network(cfg.backbone, None, device)  # timing only: random weights
 
         def forward() -> None:
-            with torch.inference_mode(), autocast_context(device, bench.precision):
+            with torch.inference_mode(), autocast_context(device, bench.precision, "bench.precision"):
                 net(image1, image2, iters=bench.iters)
 
         return net, forward
 
     if bench.mode == "pretrain":
-        if not cfg.model._target_.endswith("MCVAPretrainModule"):
+        if not issubclass(hydra.utils.get_class(cfg.model._target_), MCVAPretrainModule):
             raise ValueError("bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)")
         module = hydra.utils.instantiate(cfg.model).to(device).train()
         net = module.backbone
@@ -97,7 +78,7 @@ def build_step(
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with autocast_context(device, bench.precision):
+        with autocast_context(device, bench.precision, "bench.precision"):
             value = loss()
         value.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)

@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader, Dataset
 from flowformer.eval.padding import InputPadder
 from flowformer.eval.tiling import FlowFn, tiled_flow
 from flowformer.metrics import FlowMetrics, KittiMetrics, SpeedBinnedEPE
-from flowformer.tasks.bench import autocast_context, pick_device
 from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.runtime import autocast_context, load_network, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def evaluate_set(
     )
 
     def flow_fn(image1: Tensor, image2: Tensor) -> Tensor:
-        with autocast_context(device, precision):
+        with autocast_context(device, precision, "eval.precision"):
             return net(image1, image2, iters=protocol.iters)["flow"]
 
     for index, item in enumerate(loader):
@@ -272,21 +272,6 @@ def open_dataset(name: str, node: Mapping[str, Any]) -> Dataset:
         ) from None
 
 
-def load_network(cfg: DictConfig, device: torch.device) -> nn.Module:
-    """cfg.backbone instantiated, with eval.checkpoint loaded strictly (no checkpoint: random weights, with a
-    warning; useful only for smoke tests)."""
-    net = hydra.utils.instantiate(cfg.backbone)
-    checkpoint = cfg.eval.get("checkpoint")
-    if checkpoint:
-        from flowformer.models.checkpoint import load_backbone_weights
-
-        report = load_backbone_weights(net, str(checkpoint))
-        log.info("loaded %s: %s", checkpoint, report)
-    else:
-        log.warning("eval.checkpoint is null: evaluating randomly initialised weights")
-    return net.to(device).eval()
-
-
 def run(cfg: DictConfig) -> float | None:
     settings = cfg.eval
     benchmarks = settings.benchmarks
@@ -306,7 +291,10 @@ def run(cfg: DictConfig) -> float | None:
         submission_dir = ensure_writable_dir(settings.submission_dir, "eval.submission_dir")
     device = pick_device(settings.device)
     torch.manual_seed(cfg.seed)
-    net = load_network(cfg, device)
+    checkpoint = settings.get("checkpoint") or None
+    if checkpoint is None:
+        log.warning("eval.checkpoint is null: evaluating randomly initialised weights (smoke tests only)")
+    net = load_network(cfg.backbone, checkpoint, device)
 
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}

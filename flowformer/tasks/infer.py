@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import cv2
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -24,9 +23,8 @@ from rich.progress import track
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
 from flowformer.eval.padding import InputPadder
-from flowformer.models.checkpoint import load_backbone_weights
-from flowformer.tasks.bench import pick_device
 from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.runtime import load_network, pick_device
 from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)
@@ -90,13 +88,14 @@ def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     if settings.format not in ("flo", "kitti"):
         raise ValueError(f"infer.format={settings.format!r}: expected 'flo' or 'kitti'")
-    output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
+    if not settings.checkpoint:
+        raise ValueError(
+            "infer.checkpoint is null; give the weights to run (ours, an official .pth or a Lightning .ckpt)"
+        )
     names, frames, count = list_frames(settings.input)
+    output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
     device = pick_device(settings.device)
-    net = hydra.utils.instantiate(cfg.backbone)
-    report = load_backbone_weights(net, settings.checkpoint)
-    log.info("loaded %s: %s", settings.checkpoint, report)
-    net = net.to(device).eval()
+    net = load_network(cfg.backbone, settings.checkpoint, device)
 
     previous = to_tensor(next(frames), device)
     for index, frame in enumerate(track(frames, total=count - 1, description="flow"), start=0):

@@ -1,4 +1,5 @@
-"""What every task needs around Lightning: run records, loggers (with wandb resume), callbacks, trainer."""
+"""What the tasks share: run records, loggers (with wandb resume) and callbacks around Lightning; and, for the
+tasks that run the network themselves (eval, infer, bench), the device, autocast precision and network."""
 
 from __future__ import annotations
 
@@ -7,17 +8,22 @@ import logging
 import platform
 import subprocess
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from flowformer.models.checkpoint import load_backbone_weights
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +118,7 @@ def build_loggers(cfg: DictConfig, output_dir: Path) -> list[Logger]:
         if logger_cfg is None or "_target_" not in logger_cfg:
             continue
         kwargs: dict[str, Any] = {}
-        if logger_cfg._target_.endswith("WandbLogger"):
+        if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
             if logger_cfg.get("name") is None:
                 kwargs["name"] = override_run_name(cfg)
             if logger_cfg.get("id") is None and cfg.get("ckpt_path"):
@@ -154,3 +160,36 @@ def log_config(loggers: list[Logger], cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     for logger in loggers:
         logger.log_hyperparams({"config": config})
+
+
+def pick_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as given (clear error when CUDA is absent)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for CUDA, but torch sees no GPU here; use device=cpu")
+    return device
+
+
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def autocast_context(device: torch.device, precision: str, setting: str) -> AbstractContextManager:
+    """'32-true' -> no autocast; 'bf16-mixed' / '16-mixed' -> autocast in that dtype (as the trainer does).
+    `setting` names the config key the precision came from, for the error message (e.g. 'eval.precision')."""
+    if precision == "32-true":
+        return nullcontext()
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"{setting}={precision!r}: expected one of 32-true, {', '.join(PRECISION_DTYPES)}")
+    return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
+
+
+def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:
+    """The network of `backbone_cfg` on `device` in eval mode, with `checkpoint` (ours, an official .pth or a
+    Lightning .ckpt) loaded strictly; None keeps the random initial weights."""
+    net = hydra.utils.instantiate(backbone_cfg)
+    if checkpoint is not None:
+        report = load_backbone_weights(net, str(checkpoint))
+        log.info("loaded %s: %s", checkpoint, report)
+    return net.to(device).eval()
