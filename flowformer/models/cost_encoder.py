@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
     Mlp,
     coords_grid,
     feed_forward,
     linear_position_encoding,
     multi_head_attention,
+    softmax_attention,
 )
 from flowformer.models.token_mask import TokenMask
 
@@ -211,7 +213,9 @@ class GlobalSubsampledAttention(nn.Module):
             self.sr = nn.Conv2d(dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, size: tuple[int, int], context: Tensor | None, query_chunk: int | None = None
+    ) -> Tensor:
         rows, n, channels = x.shape
         height, width = size
         sr, heads = SUBSAMPLE, HEADS
@@ -242,8 +246,9 @@ class GlobalSubsampledAttention(nn.Module):
         m = (hp // sr) * (wp // sr)
         k = self.k(keys).reshape(rows, m, heads, channels // heads).permute(0, 2, 1, 3)
         v = self.v(values).reshape(rows, m, heads, channels // heads).permute(0, 2, 1, 3)
-        attn = ((q @ k.transpose(-2, -1)) * (channels // heads) ** -0.5).softmax(dim=-1)
-        out = (attn @ v).transpose(1, 2).reshape(rows, hp, wp, channels)[:, :height, :width, :]
+        # the logits [rows, heads, Hp*Wp, M] are the largest tensor at high resolution: query_chunk bounds them
+        out = softmax_attention(q, k, v, scale=(channels // heads) ** -0.5, query_chunk=query_chunk)
+        out = out.transpose(1, 2).reshape(rows, hp, wp, channels)[:, :height, :width, :]
         return self.proj(out.reshape(rows, n, channels))
 
 
@@ -257,8 +262,8 @@ class AGTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim=dim, hidden=4 * dim)
 
-    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
-        x = x + self.attn(self.norm1(x), size, context)
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None, **attn_kwargs) -> Tensor:
+        x = x + self.attn(self.norm1(x), size, context, **attn_kwargs)
         return x + self.mlp(self.norm2(x))
 
 
@@ -271,8 +276,11 @@ class VerticalSelfAttentionLayer(nn.Module):
         self.local_block = AGTBlock(dim=dim, attn=LocalWindowAttention(**kw))
         self.global_block = AGTBlock(dim=dim, attn=GlobalSubsampledAttention(**kw, key_pe=key_pe))
 
-    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
-        return self.global_block(self.local_block(x, size, context), size, context)
+    def forward(
+        self, x: Tensor, size: tuple[int, int], context: Tensor | None, query_chunk: int | None = None
+    ) -> Tensor:
+        x = self.local_block(x, size, context)
+        return self.global_block(x, size, context, query_chunk=query_chunk)
 
 
 class CostPerceiverEncoder(nn.Module):
@@ -321,21 +329,22 @@ class CostPerceiverEncoder(nn.Module):
         tokens, _ = self.patch_embed(cost_maps, removed)  # [n, heads, H2, W2] -> [n, H3*W3, T]
         return self.input_layer(self.latent_tokens, tokens, ids_keep)  # -> [n, K, D]
 
-    def tokenize(self, cost_maps: Tensor, token_mask: TokenMask | None = None) -> Tensor:
-        """Patchify + latent summary, cost_maps [N, heads, H2, W2] -> [N, K, D]; every row is independent.
+    def tokenize(self, cost: Tensor | CostVolume, token_mask: TokenMask | None = None) -> Tensor:
+        """Patchify + latent summary, cost maps [N, heads, H2, W2] -> [N, K, D]; every row is independent.
 
         The patchify activations are the network's largest (about 15 GB per 432x960 training sample, SPEC §9.2).
-        `tokenize_chunk` processes that many cost maps at a time (bounding the peak at inference), and
-        `tokenize_checkpoint` recomputes each chunk in the backward pass instead of storing its activations.
-        Both give the same numbers as one pass.
+        Rows are processed in blocks of at most `tokenize_chunk` and of the cost volume's `block_rows` (a
+        FeatureCostVolume computes only that many cost maps at a time), and `tokenize_checkpoint` recomputes
+        each block in the backward pass instead of storing its activations. Blocks give the same numbers as
+        one pass.
         """
-        rows = cost_maps.shape[0]
-        chunk = self.tokenize_chunk or rows
+        cost = as_cost_volume(cost)
+        chunk = min(self.tokenize_chunk or cost.num_rows, cost.block_rows)
         pieces = []
-        for start in range(0, rows, chunk):
-            part = slice(start, start + chunk)
+        for start in range(0, cost.num_rows, chunk):
+            part = slice(start, min(start + chunk, cost.num_rows))
             args = (
-                cost_maps[part],
+                cost.maps(part),
                 None if token_mask is None else token_mask.removed[part],
                 None if token_mask is None else token_mask.ids_keep[part],
             )
@@ -345,15 +354,23 @@ class CostPerceiverEncoder(nn.Module):
                 pieces.append(self._tokenize_rows(*args))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def forward(self, cost_maps: Tensor, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
+    def forward(
+        self,
+        cost: Tensor | CostVolume,
+        context: Tensor,
+        token_mask: TokenMask | None = None,
+        query_chunk: int | None = None,
+    ) -> Tensor:
+        """cost: the volume [B*H1*W1, heads, H2, W2] or a CostVolume; query_chunk: attend for that many source
+        pixels at a time in the global sub-sampled attention (None: all at once)."""
         batch, _, h1, w1 = context.shape
         k = self.num_latent_tokens
-        x = self.tokenize(cost_maps, token_mask)
+        x = self.tokenize(cost, token_mask)
         shortcut = x  # [B*H1*W1, K, D]
         for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
             x = intra(x)
             # [B*H1*W1, K, D] -> [B*K, H1*W1, D]: row b*K + k holds slot k of every source pixel of image b
             x = x.view(batch, h1 * w1, k, -1).permute(0, 2, 1, 3).reshape(batch * k, h1 * w1, -1)
-            x = inter(x, (h1, w1), context)
+            x = inter(x, (h1, w1), context, query_chunk)
             x = x.view(batch, k, h1 * w1, -1).permute(0, 2, 1, 3).reshape(batch * h1 * w1, k, -1)
         return x + shortcut

@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
     coords_grid,
     feed_forward,
     linear_position_encoding,
     multi_head_attention,
-    sample_cost_window,
     upsample_flow_convex,
 )
 
@@ -89,13 +89,33 @@ class GMAAttention(nn.Module):
         self.to_qk = nn.Conv2d(dim, 2 * dim, 1, bias=False)
         self.pos_emb = RelPosEmb(dim_head=dim)
 
-    def forward(self, fmap: Tensor) -> Tensor:
+    def forward(self, fmap: Tensor, query_chunk: int | None = None) -> Tensor | ChunkedAttention:
+        """The softmax map [B, 1, HW, HW]; with `query_chunk`, the (q, k) it is made of, applied in chunks of
+        that many query pixels when aggregating (the map grows with (H/8·W/8)²)."""
         batch, _, height, width = fmap.shape
         q, k = self.to_qk(fmap).float().chunk(2, dim=1)
         q = (self.scale * q).view(batch, 1, -1, height * width).transpose(-2, -1)  # [B, 1, HW, C]
         k = k.view(batch, 1, -1, height * width)  # [B, 1, C, HW]
+        if query_chunk is not None:
+            return ChunkedAttention(q, k, query_chunk)
         with torch.autocast(device_type=fmap.device.type, enabled=False):
             return (q @ k).softmax(dim=-1)
+
+
+class ChunkedAttention:
+    """softmax(q k) applied to values without holding the whole map: q [B, 1, HW, C], k [B, 1, C, HW]."""
+
+    def __init__(self, q: Tensor, k: Tensor, query_chunk: int) -> None:
+        self.q, self.k, self.query_chunk = q, k, query_chunk
+
+    def apply(self, v: Tensor) -> Tensor:
+        """v [B, 1, HW, Cv] -> softmax(q k) v [B, 1, HW, Cv], logits and softmax in fp32 as the dense map."""
+        pieces = []
+        for q in self.q.split(self.query_chunk, dim=-2):
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                attention = (q @ self.k).softmax(dim=-1)
+            pieces.append(attention.to(v.dtype) @ v)
+        return torch.cat(pieces, dim=-2)
 
 
 class Aggregate(nn.Module):
@@ -106,10 +126,14 @@ class Aggregate(nn.Module):
         self.to_v = nn.Conv2d(dim, dim, 1, bias=False)
         self.gamma = nn.Parameter(torch.zeros(1))
 
-    def forward(self, attention: Tensor, fmap: Tensor) -> Tensor:
+    def forward(self, attention: Tensor | ChunkedAttention, fmap: Tensor) -> Tensor:
         batch, channels, height, width = fmap.shape
         v = self.to_v(fmap).view(batch, 1, channels, height * width).transpose(-2, -1)  # [B, 1, HW, C]
-        out = (attention.to(v.dtype) @ v).transpose(-2, -1).reshape(batch, channels, height, width)
+        if isinstance(attention, ChunkedAttention):
+            out = attention.apply(v)
+        else:
+            out = attention.to(v.dtype) @ v
+        out = out.transpose(-2, -1).reshape(batch, channels, height, width)
         return fmap + self.gamma * out
 
 
@@ -168,7 +192,8 @@ class FlowHead(nn.Module):
 
 
 class GMAUpdateBlock(nn.Module):
-    """One refinement step: (net, inp, corr, flow, attention) -> (net, up_mask [B,576,H,W], delta [B,2,H,W])."""
+    """One refinement step: (net, inp, corr, flow, attention) -> (net, up_mask [B,576,H,W], delta [B,2,H,W]);
+    up_mask is None when `with_mask` is false (an iteration whose full-resolution flow is not wanted)."""
 
     def __init__(self, *, corr_dim: int) -> None:
         super().__init__()
@@ -179,13 +204,19 @@ class GMAUpdateBlock(nn.Module):
         self.aggregator = Aggregate()
 
     def forward(
-        self, net: Tensor, inp: Tensor, corr: Tensor, flow: Tensor, attention: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self,
+        net: Tensor,
+        inp: Tensor,
+        corr: Tensor,
+        flow: Tensor,
+        attention: Tensor | ChunkedAttention,
+        with_mask: bool = True,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
         motion = self.encoder(flow, corr)
         motion_global = self.aggregator(attention, motion)
         net = self.gru(net, torch.cat([inp, motion, motion_global], dim=1))
         # 0.25 scales the mask logits "to balance gradients" (SPEC §1.9 step 12)
-        return net, 0.25 * self.mask(net), self.flow_head(net)
+        return net, 0.25 * self.mask(net) if with_mask else None, self.flow_head(net)
 
 
 def pretrain_head(*, query_dim: int, recon_size: int, depth: int) -> nn.Sequential:
@@ -241,10 +272,12 @@ class MemoryDecoder(nn.Module):
         attend = self.decoder_layer.cross_attend
         return attend.k(cost_memory), attend.v(cost_memory)
 
-    def query(self, kv: tuple[Tensor, Tensor], cost_maps: Tensor, coords: Tensor) -> tuple[Tensor, Tensor]:
+    def query(
+        self, kv: tuple[Tensor, Tensor], cost: Tensor | CostVolume, coords: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Cost query at coords [B, 2, H1, W1] -> (cost_global [B, Q, H1, W1], crop [B, heads*81, H1, W1])."""
         batch, _, h1, w1 = coords.shape
-        crop = sample_cost_window(cost_maps, coords, QUERY_RADIUS)
+        crop = as_cost_volume(cost).window(coords, QUERY_RADIUS)
         query = self.flow_token_encoder(crop)
         query = query.permute(0, 2, 3, 1).contiguous().view(batch * h1 * w1, 1, -1)  # [B*H1*W1, 1, Q]
         cost_global = self.decoder_layer.cross_attend(query, coords, *kv)
@@ -253,14 +286,21 @@ class MemoryDecoder(nn.Module):
     def forward(
         self,
         cost_memory: Tensor,
-        cost_maps: Tensor,
+        cost: Tensor | CostVolume,
         context: Tensor,
         iters: int,
         flow_init: Tensor | None = None,
-    ) -> list[tuple[Tensor, Tensor]]:
+        query_chunk: int | None = None,
+        upsample_all: bool = True,
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """-> (flow_up [B, 2, H, W], flow_low [B, 2, H1, W1]) per iteration; flow_up only for the last one
+        unless `upsample_all` (training supervises every iteration; inference reads the last).
+
+        cost: the volume or a CostVolume; query_chunk: aggregate the global motion attention for that many
+        pixels at a time (None: hold its whole [B, 1, HW, HW] map)."""
         if iters < 1:
             raise ValueError(
-                f"the decoder needs at least one refinement iteration (iters / decoder_iters), got {iters}"
+                f"the decoder needs at least one refinement iteration (iters), got {iters}"
             )
         batch, _, h1, w1 = context.shape
         coords0 = coords_grid(batch, h1, w1, device=context.device)
@@ -274,16 +314,18 @@ class MemoryDecoder(nn.Module):
             coords1 = coords1 + flow_init
         net, inp = torch.split(self.proj(context), [HIDDEN, HIDDEN], dim=1)
         net, inp = torch.tanh(net), torch.relu(inp)
-        attention = self.att(inp)
+        attention = self.att(inp, query_chunk)
+        cost = as_cost_volume(cost)
         kv = self.memory_kv(cost_memory)
         outputs = []
-        for _ in range(iters):
+        for iteration in range(iters):
             coords1 = coords1.detach()
-            cost_global, crop = self.query(kv, cost_maps, coords1)
+            cost_global, crop = self.query(kv, cost, coords1)
             corr = torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
             flow = coords1 - coords0
-            net, up_mask, delta = self.update_block(net, inp, corr, flow, attention)
+            upsample = upsample_all or iteration == iters - 1
+            net, up_mask, delta = self.update_block(net, inp, corr, flow, attention, with_mask=upsample)
             coords1 = coords1 + delta.float()
             flow_low = coords1 - coords0
-            outputs.append((upsample_flow_convex(flow_low, up_mask.float()), flow_low))
+            outputs.append((upsample_flow_convex(flow_low, up_mask.float()) if upsample else None, flow_low))
         return outputs

@@ -1,6 +1,8 @@
 """FlowFormer / FlowFormer++ as one configurable backbone with separately callable stages.
 
-Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode`. Children carry the
+Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode`. With
+`memory_budget_gb`, `forward` bounds the terms that grow with (H/8·W/8)² (flowformer/models/memory_plan.py): the
+cost volume is then a FeatureCostVolume, computed in blocks. Children carry the
 official names (`memory_encoder`, `memory_decoder`, `context_encoder`), so `state_dict()` keys equal the official
 checkpoint keys without the `module.` prefix (SPEC §3).
 """
@@ -13,8 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.models.cost_encoder import CostPerceiverEncoder
+from flowformer.models.cost_volume import CostVolume, FeatureCostVolume, dense_cost_maps
 from flowformer.models.decoder import MemoryDecoder
 from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
+from flowformer.models.memory_plan import MemoryPlan, plan_memory
 from flowformer.models.token_mask import TokenMask
 
 VARIANTS = ("flowformer", "flowformer_pp")
@@ -63,6 +67,7 @@ class FlowFormer(nn.Module):
         recon_head_depth: int = 3,
         tokenize_chunk: int | None = None,
         tokenize_checkpoint: bool = False,
+        memory_budget_gb: float | None = None,
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -76,6 +81,10 @@ class FlowFormer(nn.Module):
         if image_encoder == "cnn" and twins_weights is not None:
             raise ValueError(
                 "backbone.twins_weights is set but backbone.image_encoder is 'cnn'; set it to null"
+            )
+        if memory_budget_gb is not None and memory_budget_gb <= 0:
+            raise ValueError(
+                f"backbone.memory_budget_gb must be > 0 (or null for the dense computation), got {memory_budget_gb}"
             )
         if feature_dim % cost_heads != 0:
             raise ValueError(
@@ -101,9 +110,11 @@ class FlowFormer(nn.Module):
             "recon_head_depth": recon_head_depth,
             "tokenize_chunk": tokenize_chunk,
             "tokenize_checkpoint": tokenize_checkpoint,
+            "memory_budget_gb": memory_budget_gb,
         }
         self.variant = variant
         self.cost_heads = cost_heads
+        self.memory_budget_gb = memory_budget_gb
         is_pp = variant == "flowformer_pp"
 
         def image_net() -> nn.Module:
@@ -154,22 +165,45 @@ class FlowFormer(nn.Module):
 
     def cost_volume(self, feat1: Tensor, feat2: Tensor) -> Tensor:
         """All-pairs dot products, unscaled, in fp32 (SPEC §1.4): -> cost_maps [B*H1*W1, heads, H1, W1]."""
-        batch, channels, height, width = feat1.shape
-        heads = self.cost_heads
-        with torch.autocast(device_type=feat1.device.type, enabled=False):
-            f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
-            f2 = feat2.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
-            corr = torch.einsum("bhid,bhjd->bhij", f1, f2)  # [B, heads, H1*W1, H2*W2]
-        return corr.permute(0, 2, 1, 3).reshape(batch * height * width, heads, height, width)
+        return dense_cost_maps(feat1, feat2, self.cost_heads)
 
-    def encode_cost(self, cost_maps: Tensor, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
-        """cost_maps [B*H1*W1, heads, H1, W1], context [B, C, H1, W1] -> cost memory [B*H1*W1, K, D]."""
-        return self.memory_encoder.cost_perceiver_encoder(cost_maps, context, token_mask)
+    def memory_plan(self, feat1: Tensor) -> MemoryPlan:
+        """How `forward` bounds its memory for features feat1 [B, C, H1, W1] within `memory_budget_gb`."""
+        batch, _, h1, w1 = feat1.shape
+        patch_embed = self.memory_encoder.cost_perceiver_encoder.patch_embed
+        return plan_memory(
+            self.memory_budget_gb,
+            batch=batch,
+            h1=h1,
+            w1=w1,
+            heads=self.cost_heads,
+            latent_tokens=self.config["num_latent_tokens"],
+            patch_dim=self.config["cost_patch_dim"],
+            pe_dim=patch_embed.pe_dim,
+        )
+
+    def correlation(self, feat1: Tensor, feat2: Tensor, plan: MemoryPlan) -> Tensor | CostVolume:
+        """The cost volume as the plan allows: the dense volume, or a FeatureCostVolume computing blocks of
+        `plan.cost_rows` cost maps when they are needed."""
+        if plan.cost_rows is None:
+            return self.cost_volume(feat1, feat2)
+        return FeatureCostVolume(feat1, feat2, self.cost_heads, plan.cost_rows)
+
+    def encode_cost(
+        self,
+        cost: Tensor | CostVolume,
+        context: Tensor,
+        token_mask: TokenMask | None = None,
+        query_chunk: int | None = None,
+    ) -> Tensor:
+        """cost maps [B*H1*W1, heads, H1, W1] (or a CostVolume), context [B, C, H1, W1] -> cost memory
+        [B*H1*W1, K, D]; query_chunk bounds the global attention (MemoryPlan.gsa_queries)."""
+        return self.memory_encoder.cost_perceiver_encoder(cost, context, token_mask, query_chunk)
 
     def query_cost_memory(
         self,
         cost_memory: Tensor,
-        cost_maps: Tensor,
+        cost: Tensor | CostVolume,
         coords: Tensor,
         memory_kv: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
@@ -179,7 +213,7 @@ class FlowFormer(nn.Module):
         memory (MCVA's query rounds, as the official code does); computed here when None."""
         decoder = self.memory_decoder
         kv = decoder.memory_kv(cost_memory) if memory_kv is None else memory_kv
-        return decoder.query(kv, cost_maps, coords)[0]
+        return decoder.query(kv, cost, coords)[0]
 
     def cost_memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
         """cost memory [B*H1*W1, K, D] -> the decoder's keys and values [B*H1*W1, K, Q]."""
@@ -188,13 +222,17 @@ class FlowFormer(nn.Module):
     def decode(
         self,
         cost_memory: Tensor,
-        cost_maps: Tensor,
+        cost: Tensor | CostVolume,
         context: Tensor,
         iters: int,
         flow_init: Tensor | None = None,
-    ) -> list[tuple[Tensor, Tensor]]:
-        """-> one (flow_up [B, 2, H, W], flow_low [B, 2, H/8, W/8]) pair per refinement iteration."""
-        return self.memory_decoder(cost_memory, cost_maps, context, iters, flow_init)
+        query_chunk: int | None = None,
+        upsample_all: bool = True,
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """-> one (flow_up [B, 2, H, W], flow_low [B, 2, H/8, W/8]) pair per refinement iteration, flow_up None
+        before the last one unless `upsample_all`; query_chunk bounds the global motion attention
+        (MemoryPlan.gma_queries)."""
+        return self.memory_decoder(cost_memory, cost, context, iters, flow_init, query_chunk, upsample_all)
 
     @property
     def pretrain_head(self) -> nn.Module:
@@ -221,9 +259,18 @@ class FlowFormer(nn.Module):
                 f"FlowFormer.forward: iters must be an integer >= 1 (refinement iterations), got {iters!r}"
             )
         feat1, feat2, context = self.encode_images(image1, image2)
-        cost_maps = self.cost_volume(feat1, feat2)
-        cost_memory = self.encode_cost(cost_maps, context)
-        steps = self.decode(cost_memory, cost_maps, context, iters, flow_init)
+        plan = self.memory_plan(feat1)
+        cost = self.correlation(feat1, feat2, plan)
+        cost_memory = self.encode_cost(cost, context, query_chunk=plan.gsa_queries)
+        steps = self.decode(
+            cost_memory,
+            cost,
+            context,
+            iters,
+            flow_init,
+            query_chunk=plan.gma_queries,
+            upsample_all=self.training,  # inference returns the last iteration only
+        )
         out: dict[str, Tensor | list[Tensor]] = {"flow": steps[-1][0], "flow_low": steps[-1][1]}
         if self.training:
             out["flow_predictions"] = [flow_up for flow_up, _ in steps]

@@ -61,6 +61,13 @@ def bilinear_sample(maps: Tensor, coords: Tensor) -> Tensor:
     return torch.cat([F.grid_sample(m, g, align_corners=True) for m, g in chunks])
 
 
+def window_offsets(radius: int, device: torch.device) -> Tensor:
+    """[2r+1, 2r+1, 2] offsets; entry [i, j] = (i - r, j - r) read as (x, y): the window's row index is the x
+    offset (the official x-major order)."""
+    offsets = torch.linspace(-radius, radius, 2 * radius + 1, device=device)
+    return torch.stack(torch.meshgrid(offsets, offsets, indexing="ij"), dim=-1)
+
+
 def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor:
     """Bilinear (2r+1)^2 crop of each source pixel's cost map around its target position.
 
@@ -73,13 +80,21 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor
             f"sample_cost_window: cost_maps has {cost_maps.shape[0]} rows, expected B*H1*W1 = {batch * h1 * w1} "
             f"for coords of shape {tuple(coords.shape)}"
         )
-    offsets = torch.linspace(-radius, radius, 2 * radius + 1, device=coords.device)
-    # offsets[i, j] = (i - r, j - r) read as (x, y): the row index of the window is the x offset.
-    delta = torch.stack(torch.meshgrid(offsets, offsets, indexing="ij"), dim=-1)
     centre = coords.permute(0, 2, 3, 1).reshape(batch * h1 * w1, 1, 1, 2)
-    window = bilinear_sample(cost_maps, centre + delta.view(1, 2 * radius + 1, 2 * radius + 1, 2))
+    window = bilinear_sample(cost_maps, centre + window_offsets(radius, coords.device))
     # window [B*H1*W1, heads, 2r+1, 2r+1] -> [B, heads*(2r+1)^2, H1, W1]
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
+
+
+def softmax_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, query_chunk: int | None = None
+) -> Tensor:
+    """softmax(q kᵀ · scale) v over the last two dims, q [..., Lq, d], k [..., Lk, d], v [..., Lk, dv]
+    -> [..., Lq, dv]; with `query_chunk`, for that many queries at a time (the logits of one chunk at most)."""
+    if query_chunk is None or query_chunk >= q.shape[-2]:
+        return ((q @ k.transpose(-2, -1)) * scale).softmax(dim=-1) @ v
+    kt = k.transpose(-2, -1)
+    return torch.cat([((part @ kt) * scale).softmax(dim=-1) @ v for part in q.split(query_chunk, dim=-2)], dim=-2)
 
 
 def multi_head_attention(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:

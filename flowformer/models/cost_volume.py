@@ -1,0 +1,131 @@
+"""The 4D cost volume, held whole or computed piece by piece from the two feature maps.
+
+FlowFormer reads its cost volume in two ways: the cost encoder patchifies every source pixel's whole cost map,
+and the decoder samples a bilinear (2r+1)² window of it around each target position. Both can be computed
+from the features when needed instead of from a stored [B·H1·W1, heads, H2, W2] volume, whose size grows
+with (H/8·W/8)²:
+
+- a row block of cost maps is ``feat1[rows] · feat2`` per head;
+- bilinear sampling is linear, so sampling a cost map at a point equals the dot product of the source feature
+  with feat2 sampled bilinearly at that point (zero outside the map, as ``grid_sample`` pads; both sample
+  the same H2 x W2 grid, so the interpolation weights are the same).
+
+:class:`DenseCostVolume` wraps the stored volume (the official computation); :class:`FeatureCostVolume`
+computes blocks of ``rows_per_block`` source pixels at a time, so no more than one block of cost maps exists.
+Everything that reads the volume takes either (``as_cost_volume``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flowformer.models.layers import bilinear_sample, sample_cost_window, window_offsets
+
+__all__ = ["CostVolume", "DenseCostVolume", "FeatureCostVolume", "as_cost_volume", "dense_cost_maps"]
+
+
+def dense_cost_maps(feat1: Tensor, feat2: Tensor, heads: int) -> Tensor:
+    """All-pairs dot products, unscaled, in fp32: feat1, feat2 [B, C, H, W] -> [B*H*W, heads, H, W]."""
+    batch, channels, height, width = feat1.shape
+    with torch.autocast(device_type=feat1.device.type, enabled=False):
+        f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+        f2 = feat2.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+        corr = torch.einsum("bhid,bhjd->bhij", f1, f2)  # [B, heads, H1*W1, H2*W2]
+    return corr.permute(0, 2, 1, 3).reshape(batch * height * width, heads, height, width)
+
+
+class CostVolume:
+    """The cost maps of `num_rows` = B·H1·W1 source pixels (row b·H1·W1 + y·W1 + x), `heads` each, H2 x W2."""
+
+    num_rows: int
+    heads: int
+    map_size: tuple[int, int]
+    block_rows: int  # the most rows `maps` should be asked for at once
+
+    def maps(self, rows: slice) -> Tensor:
+        """Cost maps of the source pixels in `rows` -> [n, heads, H2, W2] (fp32)."""
+        raise NotImplementedError
+
+    def window(self, coords: Tensor, radius: int) -> Tensor:
+        """Bilinear (2r+1)² window of every source pixel's cost map around coords [B, 2, H1, W1] (x, y)
+        -> [B, heads·(2r+1)², H1, W1], channel = head·(2r+1)² + (dx+r)·(2r+1) + (dy+r) (official order)."""
+        raise NotImplementedError
+
+
+class DenseCostVolume(CostVolume):
+    """The volume held whole: cost_maps [B·H1·W1, heads, H2, W2]."""
+
+    def __init__(self, cost_maps: Tensor) -> None:
+        self.cost_maps = cost_maps
+        self.num_rows, self.heads = cost_maps.shape[:2]
+        self.map_size = tuple(cost_maps.shape[-2:])
+        self.block_rows = self.num_rows
+
+    def maps(self, rows: slice) -> Tensor:
+        return self.cost_maps[rows]
+
+    def window(self, coords: Tensor, radius: int) -> Tensor:
+        return sample_cost_window(self.cost_maps, coords, radius)
+
+
+class FeatureCostVolume(CostVolume):
+    """The volume as feat1, feat2 [B, C, H, W]; maps and windows computed for `rows_per_block` source pixels
+    at a time (peak: one block of cost maps, [rows_per_block, heads, H, W] fp32)."""
+
+    def __init__(self, feat1: Tensor, feat2: Tensor, heads: int, rows_per_block: int) -> None:
+        if rows_per_block < 1:
+            raise ValueError(f"FeatureCostVolume: rows_per_block must be >= 1, got {rows_per_block}")
+        batch, channels, height, width = feat1.shape
+        self.heads = heads
+        self.num_rows = batch * height * width
+        self.map_size = (height, width)
+        self.block_rows = rows_per_block
+        with torch.autocast(device_type=feat1.device.type, enabled=False):
+            # [B, heads, H*W, C/heads]: per-head features in fp32, laid out as dense_cost_maps lays them out, so
+            # a block's maps are the dense volume's numbers
+            self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+            self.f2 = feat2.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+        self.feat2 = feat2.float()
+
+    def maps(self, rows: slice) -> Tensor:
+        height, width = self.map_size
+        pixels = height * width
+        pieces = []
+        with torch.autocast(device_type=self.f1.device.type, enabled=False):
+            # a row block may span images: split it at image boundaries
+            start = rows.start
+            while start < rows.stop:
+                image, first = divmod(start, pixels)
+                stop = min(rows.stop, (image + 1) * pixels)
+                source = self.f1[image, :, first : first + stop - start]  # [heads, n, C/heads]
+                corr = torch.einsum("hid,hjd->hij", source, self.f2[image])  # [heads, n, H*W]
+                pieces.append(corr.transpose(0, 1))  # [n, heads, H*W]
+                start = stop
+        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return block.view(-1, self.heads, height, width)
+
+    def window(self, coords: Tensor, radius: int) -> Tensor:
+        batch, _, h1, w1 = coords.shape
+        side = 2 * radius + 1
+        delta = window_offsets(radius, coords.device)  # [side, side, 2]
+        out = []
+        with torch.autocast(device_type=coords.device.type, enabled=False):
+            for image in range(batch):
+                centres = coords[image].permute(1, 2, 0).reshape(h1 * w1, 1, 1, 2)
+                pieces = []
+                for start in range(0, h1 * w1, self.block_rows):
+                    stop = min(start + self.block_rows, h1 * w1)
+                    points = (centres[start:stop] + delta).reshape(1, -1, side * side, 2)  # [1, n, side², 2]
+                    sampled = bilinear_sample(self.feat2[image : image + 1], points)  # [1, C, n, side²]
+                    sampled = sampled.view(self.heads, -1, stop - start, side * side)
+                    source = self.f1[image, :, start:stop]  # [heads, n, C/heads]
+                    pieces.append(torch.einsum("hnd,hdnw->nhw", source, sampled))  # [n, heads, side²]
+                out.append(torch.cat(pieces))
+        # [B*H1*W1, heads, side²] -> [B, heads*side², H1, W1]
+        return torch.stack(out).view(batch, h1, w1, -1).permute(0, 3, 1, 2)
+
+
+def as_cost_volume(cost: Tensor | CostVolume) -> CostVolume:
+    """A stored volume [B·H1·W1, heads, H2, W2] or a CostVolume -> a CostVolume."""
+    return cost if isinstance(cost, CostVolume) else DenseCostVolume(cost)

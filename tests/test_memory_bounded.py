@@ -1,0 +1,97 @@
+"""The bounded-memory computation (`backbone.memory_budget_gb`) gives the dense computation's numbers: a cost
+volume computed in blocks from the features (maps and bilinear windows), chunked global attentions, and the
+plan that picks them from the budget."""
+
+import pytest
+import torch
+from conftest import backbone_kwargs
+
+from flowformer.models import FlowFormer, sample_cost_window
+from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, dense_cost_maps
+from flowformer.models.layers import softmax_attention
+from flowformer.models.memory_plan import MemoryPlan, plan_memory
+
+
+def tiny(**overrides) -> FlowFormer:
+    torch.manual_seed(0)
+    return FlowFormer(**backbone_kwargs(**overrides)).eval()
+
+
+def features(batch: int = 2, channels: int = 8, size: tuple[int, int] = (5, 7)) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(batch, channels, *size, generator=g) for _ in range(2))
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 6, 34, 1000])
+def test_feature_cost_volume_maps_equal_the_dense_volume(rows_per_block):
+    feat1, feat2 = features()
+    dense = dense_cost_maps(feat1, feat2, heads=2)  # [2*35, 2, 5, 7]
+    volume = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=rows_per_block)
+    for start in range(0, volume.num_rows, volume.block_rows):  # blocks that straddle the two images too
+        rows = slice(start, min(start + volume.block_rows, volume.num_rows))
+        torch.testing.assert_close(volume.maps(rows), dense[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("radius", [4, 7])  # the decoder's 9x9 window and MCVA's 15x15
+def test_windows_from_features_equal_windows_of_the_volume(radius):
+    feat1, feat2 = features()
+    g = torch.Generator().manual_seed(5)
+    # targets inside, on the border and far outside the map: grid_sample's zero padding must agree
+    coords = torch.rand(2, 2, 5, 7, generator=g) * torch.tensor([12.0, 10.0]).view(1, 2, 1, 1) - 3.0
+    expected = sample_cost_window(dense_cost_maps(feat1, feat2, heads=2), coords, radius)
+    got = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4).window(coords, radius)
+    assert got.shape == expected.shape == (2, 2 * (2 * radius + 1) ** 2, 5, 7)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(DenseCostVolume(dense_cost_maps(feat1, feat2, 2)).window(coords, radius), expected)
+
+
+def test_chunked_attention_equals_the_whole():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 4, n, 16, generator=g) for n in (37, 11, 11))
+    whole = softmax_attention(q, k, v, scale=0.25)
+    torch.testing.assert_close(softmax_attention(q, k, v, scale=0.25, query_chunk=5), whole)
+
+
+def test_plan_is_dense_when_it_fits_and_bounded_when_not():
+    sizes = {"heads": 1, "latent_tokens": 8, "patch_dim": 64, "pe_dim": 64}
+    assert plan_memory(None, batch=1, h1=135, w1=240, **sizes).dense
+    assert plan_memory(64.0, batch=1, h1=46, w1=62, **sizes).dense  # 368x496 fits 64 GB
+    plan = plan_memory(4.0, batch=1, h1=135, w1=240, **sizes)  # 1080p in 4 GB
+    assert not plan.dense and plan.cost_rows < 135 * 240 and plan.gsa_queries < 136 * 240
+    assert plan.gma_queries < 135 * 240
+
+
+def test_memory_budget_must_be_positive():
+    with pytest.raises(ValueError, match="memory_budget_gb must be > 0"):
+        tiny(memory_budget_gb=0)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    image1 = torch.rand(batch, 3, 48, 64, generator=g) * 255
+    image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
+    dense_net, bounded_net = tiny(), tiny(memory_budget_gb=1e-6)
+    bounded_net.load_state_dict(dense_net.state_dict())
+    plan = bounded_net.memory_plan(torch.zeros(batch, 64, 6, 8))
+    assert plan.cost_rows is not None and plan.gsa_queries is not None and plan.gma_queries is not None
+    # small blocks, so every path runs in several pieces at this size
+    monkeypatch.setattr(FlowFormer, "memory_plan", lambda self, feat1: MemoryPlan(7, 5, 9))
+    with torch.no_grad():
+        dense = dense_net(image1, image2, iters=4)
+        bounded = bounded_net(image1, image2, iters=4)
+    torch.testing.assert_close(bounded["flow"], dense["flow"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(bounded["flow_low"], dense["flow_low"], rtol=0, atol=1e-4)
+
+
+def test_bounded_forward_never_builds_the_whole_volume(monkeypatch):
+    net = tiny()
+    monkeypatch.setattr(FlowFormer, "memory_plan", lambda self, feat1: MemoryPlan(7, 5, 9))
+
+    def refuse(*args):
+        raise AssertionError("the dense cost volume was built")
+
+    monkeypatch.setattr(net, "cost_volume", refuse)
+    with torch.no_grad():
+        out = net(torch.rand(1, 3, 48, 64) * 255, torch.rand(1, 3, 48, 64) * 255, iters=2)
+    assert torch.isfinite(out["flow"]).all()
