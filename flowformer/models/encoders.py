@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 TWINS_DIM = 256  # channels of Twins-SVT-Large stage 2 (SPEC §1.2)
-_TWINS_DELETED = (
+TWINS_LARGE_FINAL_DIM = 1024  # width of twins_svt_large's last stage, the size of its final `norm`
+_TWINS_NOT_BUILT = (
     "head.",
     "patch_embeds.2.",
     "patch_embeds.3.",
@@ -27,21 +28,33 @@ _TWINS_DELETED = (
 class TwinsEncoder(nn.Module):
     """Stages 0 and 1 of timm's `twins_svt_large` (SPEC §1.2): [B,3,H,W] -> [B,256,H/8,W/8].
 
-    The unused stages 2-3 and the head are deleted; `svt.norm` (LayerNorm 1024) is kept because the official
-    checkpoints contain it. `weights` is an optional local path to timm's ImageNet checkpoint; nothing is downloaded.
+    Only stages 0 and 1 are built (building all four and deleting two cost 0.4 GB of peak memory for nothing);
+    there is no head, and `svt.norm` (the LayerNorm 1024 after stage 3) is kept, unused, because the official
+    checkpoints contain it. `weights` is an optional local path to timm's ImageNet checkpoint; nothing is
+    downloaded.
     """
 
     def __init__(self, *, weights: str | None = None) -> None:
         super().__init__()
-        self.svt = timm.create_model("twins_svt_large", pretrained=False)
-        del self.svt.head
-        for name in ("patch_embeds", "blocks", "pos_block"):
-            del getattr(self.svt, name)[2:]
+        # twins_svt_large's settings for its stages 0 and 1 (timm's twins_svt_large: embed dims 128/256,
+        # heads 4/8, MLP ratio 4, depth 2 each, LSA window 7, GSA sub-sampling 8/4)
+        self.svt = timm.create_model(
+            "twins_svt_large",
+            pretrained=False,
+            embed_dims=[128, 256],
+            num_heads=[4, 8],
+            mlp_ratios=[4, 4],
+            depths=[2, 2],
+            wss=[7, 7],
+            sr_ratios=[8, 4],
+            num_classes=0,
+        )
+        self.svt.norm = nn.LayerNorm(TWINS_LARGE_FINAL_DIM, eps=1e-6)
         if weights is not None:
             self.load_imagenet(weights)
 
     def load_imagenet(self, path: str | Path) -> None:
-        """Load timm's ImageNet `twins_svt_large` weights from a local file, ignoring the deleted stages."""
+        """Load timm's ImageNet `twins_svt_large` weights from a local file, ignoring the stages not built."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(
@@ -51,7 +64,7 @@ class TwinsEncoder(nn.Module):
         state = torch.load(path, map_location="cpu", weights_only=True)
         if isinstance(state, dict) and "state_dict" in state:
             state = state["state_dict"]
-        state = {k.removeprefix("svt."): v for k, v in state.items() if not k.startswith(_TWINS_DELETED)}
+        state = {k.removeprefix("svt."): v for k, v in state.items() if not k.startswith(_TWINS_NOT_BUILT)}
         own = self.svt.state_dict()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
