@@ -213,9 +213,7 @@ class GlobalSubsampledAttention(nn.Module):
             self.sr = nn.Conv2d(dim, dim, kernel_size=SUBSAMPLE, stride=SUBSAMPLE)
         self.norm = nn.LayerNorm(dim)
 
-    def forward(
-        self, x: Tensor, size: tuple[int, int], context: Tensor | None, query_chunk: int | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
         rows, n, channels = x.shape
         height, width = size
         sr, heads = SUBSAMPLE, HEADS
@@ -246,8 +244,7 @@ class GlobalSubsampledAttention(nn.Module):
         m = (hp // sr) * (wp // sr)
         k = self.k(keys).reshape(rows, m, heads, channels // heads).permute(0, 2, 1, 3)
         v = self.v(values).reshape(rows, m, heads, channels // heads).permute(0, 2, 1, 3)
-        # the logits [rows, heads, Hp*Wp, M] are the largest tensor at high resolution: query_chunk bounds them
-        out = softmax_attention(q, k, v, scale=(channels // heads) ** -0.5, query_chunk=query_chunk)
+        out = softmax_attention(q, k, v, scale=(channels // heads) ** -0.5)  # [rows, heads, Hp*Wp, D/heads]
         out = out.transpose(1, 2).reshape(rows, hp, wp, channels)[:, :height, :width, :]
         return self.proj(out.reshape(rows, n, channels))
 
@@ -262,8 +259,8 @@ class AGTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim=dim, hidden=4 * dim)
 
-    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None, **attn_kwargs) -> Tensor:
-        x = x + self.attn(self.norm1(x), size, context, **attn_kwargs)
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        x = x + self.attn(self.norm1(x), size, context)
         return x + self.mlp(self.norm2(x))
 
 
@@ -276,11 +273,8 @@ class VerticalSelfAttentionLayer(nn.Module):
         self.local_block = AGTBlock(dim=dim, attn=LocalWindowAttention(**kw))
         self.global_block = AGTBlock(dim=dim, attn=GlobalSubsampledAttention(**kw, key_pe=key_pe))
 
-    def forward(
-        self, x: Tensor, size: tuple[int, int], context: Tensor | None, query_chunk: int | None = None
-    ) -> Tensor:
-        x = self.local_block(x, size, context)
-        return self.global_block(x, size, context, query_chunk=query_chunk)
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        return self.global_block(self.local_block(x, size, context), size, context)
 
 
 class CostPerceiverEncoder(nn.Module):
@@ -354,15 +348,8 @@ class CostPerceiverEncoder(nn.Module):
                 pieces.append(self._tokenize_rows(*args))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def forward(
-        self,
-        cost: Tensor | CostVolume,
-        context: Tensor,
-        token_mask: TokenMask | None = None,
-        query_chunk: int | None = None,
-    ) -> Tensor:
-        """cost: the volume [B*H1*W1, heads, H2, W2] or a CostVolume; query_chunk: attend for that many source
-        pixels at a time in the global sub-sampled attention (None: all at once)."""
+    def forward(self, cost: Tensor | CostVolume, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
+        """cost: the volume [B*H1*W1, heads, H2, W2] or a CostVolume -> cost memory [B*H1*W1, K, D]."""
         batch, _, h1, w1 = context.shape
         k = self.num_latent_tokens
         x = self.tokenize(cost, token_mask)
@@ -371,6 +358,6 @@ class CostPerceiverEncoder(nn.Module):
             x = intra(x)
             # [B*H1*W1, K, D] -> [B*K, H1*W1, D]: row b*K + k holds slot k of every source pixel of image b
             x = x.view(batch, h1 * w1, k, -1).permute(0, 2, 1, 3).reshape(batch * k, h1 * w1, -1)
-            x = inter(x, (h1, w1), context, query_chunk)
+            x = inter(x, (h1, w1), context)
             x = x.view(batch, k, h1 * w1, -1).permute(0, 2, 1, 3).reshape(batch * h1 * w1, k, -1)
         return x + shortcut

@@ -177,7 +177,6 @@ class FlowFormer(nn.Module):
             h1=h1,
             w1=w1,
             heads=self.cost_heads,
-            latent_tokens=self.config["num_latent_tokens"],
             patch_dim=self.config["cost_patch_dim"],
             pe_dim=patch_embed.pe_dim,
         )
@@ -190,15 +189,11 @@ class FlowFormer(nn.Module):
         return FeatureCostVolume(feat1, feat2, self.cost_heads, plan.cost_rows)
 
     def encode_cost(
-        self,
-        cost: Tensor | CostVolume,
-        context: Tensor,
-        token_mask: TokenMask | None = None,
-        query_chunk: int | None = None,
+        self, cost: Tensor | CostVolume, context: Tensor, token_mask: TokenMask | None = None
     ) -> Tensor:
         """cost maps [B*H1*W1, heads, H1, W1] (or a CostVolume), context [B, C, H1, W1] -> cost memory
-        [B*H1*W1, K, D]; query_chunk bounds the global attention (MemoryPlan.gsa_queries)."""
-        return self.memory_encoder.cost_perceiver_encoder(cost, context, token_mask, query_chunk)
+        [B*H1*W1, K, D]."""
+        return self.memory_encoder.cost_perceiver_encoder(cost, context, token_mask)
 
     def query_cost_memory(
         self,
@@ -261,7 +256,7 @@ class FlowFormer(nn.Module):
         feat1, feat2, context = self.encode_images(image1, image2)
         plan = self.memory_plan(feat1)
         cost = self.correlation(feat1, feat2, plan)
-        cost_memory = self.encode_cost(cost, context, query_chunk=plan.gsa_queries)
+        cost_memory = self.encode_cost(cost, context)
         steps = self.decode(
             cost_memory,
             cost,

@@ -86,15 +86,12 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
 
-def softmax_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, query_chunk: int | None = None
-) -> Tensor:
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """softmax(q kᵀ · scale) v over the last two dims, q [..., Lq, d], k [..., Lk, d], v [..., Lk, dv]
-    -> [..., Lq, dv]; with `query_chunk`, for that many queries at a time (the logits of one chunk at most)."""
-    if query_chunk is None or query_chunk >= q.shape[-2]:
-        return ((q @ k.transpose(-2, -1)) * scale).softmax(dim=-1) @ v
-    kt = k.transpose(-2, -1)
-    return torch.cat([((part @ kt) * scale).softmax(dim=-1) @ v for part in q.split(query_chunk, dim=-2)], dim=-2)
+    -> [..., Lq, dv], by torch's fused attention: the [Lq, Lk] logits are never held whole (at 1080p the cost
+    encoder's would take 16 GB), and it is faster. Differs from the unfused product by float32 rounding only
+    (fixture A: 1.7e-4 px from the official flow at 32 iterations, the unfused path 1.9e-4)."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
 def multi_head_attention(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:

@@ -3,13 +3,13 @@
 At 1/8 resolution with N = H1·W1 source pixels, the official computation holds:
 - the cost volume, B·N·N·heads fp32, and the patchify activations of all N cost maps at once;
 - the global sub-sampled attention logits of the cost encoder, B·K·8 heads·N·N/16 fp32 (keys on a 4x4-strided
-  grid);
+  grid): our cost encoder uses fused attention, which never holds them, so the plan leaves them out;
 - GMA's global motion attention map in the decoder, B·N·N fp32.
-With a budget, the plan keeps the dense computation when its estimate fits and otherwise bounds each term to a
-quarter of the budget: cost maps computed in blocks of `cost_rows` source pixels (a FeatureCostVolume), the two
-attentions evaluated for `gsa_queries` / `gma_queries` queries at a time. The numbers are the same either way
-(to float rounding). Estimates count fp32 bytes of the named tensors (softmax keeps a second copy), not the
-allocator's overhead.
+With a budget, the plan keeps the dense computation when its estimate fits and otherwise bounds each of the
+two remaining terms to a quarter of the budget: cost maps computed in blocks of `cost_rows` source pixels (a
+FeatureCostVolume), the motion attention evaluated for `gma_queries` queries at a time. The numbers are the
+same either way (to float rounding). Estimates count fp32 bytes of the named tensors (softmax keeps a second
+copy), not the allocator's overhead.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import math
 from dataclasses import dataclass
 
 FLOAT = 4  # bytes per fp32 value
-GSA_HEADS = 8  # heads of the cost encoder's attention
-GSA_STRIDE = 4  # the global attention's keys sit on a 4x4-strided grid
 PATCH = 8  # cost-map patch size of the patch embedding
 SOFTMAX_COPIES = 2  # logits and their softmax exist together
 
@@ -29,12 +27,11 @@ class MemoryPlan:
     """None everywhere: the dense (official) computation."""
 
     cost_rows: int | None = None
-    gsa_queries: int | None = None
     gma_queries: int | None = None
 
     @property
     def dense(self) -> bool:
-        return self.cost_rows is None and self.gsa_queries is None and self.gma_queries is None
+        return self.cost_rows is None and self.gma_queries is None
 
 
 def patchify_bytes_per_row(h1: int, w1: int, heads: int, patch_dim: int, pe_dim: int) -> int:
@@ -59,7 +56,6 @@ def plan_memory(
     h1: int,
     w1: int,
     heads: int,
-    latent_tokens: int,
     patch_dim: int,
     pe_dim: int,
 ) -> MemoryPlan:
@@ -68,22 +64,13 @@ def plan_memory(
         return MemoryPlan()
     budget = budget_gb * 2**30
     n = h1 * w1
-    gsa_keys = math.ceil(h1 / GSA_STRIDE) * math.ceil(w1 / GSA_STRIDE)
-    gsa_queries_total = gsa_keys * GSA_STRIDE**2
     per_row = patchify_bytes_per_row(h1, w1, heads, patch_dim, pe_dim)
-    per_gsa_query = batch * latent_tokens * GSA_HEADS * gsa_keys * FLOAT * SOFTMAX_COPIES
     per_gma_query = batch * n * FLOAT * SOFTMAX_COPIES
-    dense = (
-        batch * n * n * heads * FLOAT
-        + batch * n * per_row
-        + gsa_queries_total * per_gsa_query
-        + n * per_gma_query
-    )
+    dense = batch * n * n * heads * FLOAT + batch * n * per_row + n * per_gma_query
     if dense <= budget:
         return MemoryPlan()
     share = budget / 4
     return MemoryPlan(
         cost_rows=max(1, min(batch * n, int(share // per_row))),
-        gsa_queries=max(1, min(gsa_queries_total, int(share // per_gsa_query))),
         gma_queries=max(1, min(n, int(share // per_gma_query))),
     )
