@@ -49,7 +49,9 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
     out = tmp_path / "out"
     infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                      "infer.iters=2", "infer.device=cpu"))
-    assert sorted(p.name for p in out.iterdir()) == ["f00.flo", "f00_flow.png", "f01.flo", "f01_flow.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "f00.flo", "f00_flow.png", "f01.flo", "f01_flow.png", "flow.mp4"
+    ]
     assert read_flo(out / "f00.flo").shape == (HEIGHT, WIDTH, 2)
     assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
 
@@ -63,9 +65,42 @@ def test_infer_video_writes_kitti_pngs(tmp_path, checkpoint):
     out = tmp_path / "out"
     infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                      "infer.iters=2", "infer.device=cpu", "infer.format=kitti", "infer.save_png=false"))
-    assert sorted(p.name for p in out.iterdir()) == ["frame_000000.png", "frame_000001.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["flow.mp4", "frame_000000.png", "frame_000001.png"]
     flow, valid = read_kitti_flow(out / "frame_000000.png")
     assert flow.shape == (HEIGHT, WIDTH, 2) and valid.all()
+
+
+def test_video_warm_start_changes_the_flow_and_the_flow_video_opens(tmp_path, checkpoint):
+    video = tmp_path / "clip.avi"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
+    for frame in frames(4):
+        writer.write(frame)
+    writer.release()
+    flows = {}
+    for warm in ("false", "true"):
+        out = tmp_path / f"warm_{warm}"
+        infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                         "infer.iters=2", "infer.device=cpu", f"infer.warm_start={warm}", "infer.save_png=false"))
+        flows[warm] = [read_flo(out / f"frame_{i:06d}.flo") for i in range(3)]
+        capture = cv2.VideoCapture(str(out / "flow.mp4"))
+        assert capture.isOpened() and int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
+        ok, picture = capture.read()
+        assert ok and picture.shape == (HEIGHT, WIDTH, 3)
+        capture.release()
+    # the first pair has no predecessor; the later ones start from the projected previous flow
+    np.testing.assert_array_equal(flows["true"][0], flows["false"][0])
+    assert not np.allclose(flows["true"][1], flows["false"][1])
+
+
+def test_forward_project_moves_flow_to_where_it_points():
+    flow = torch.zeros(1, 2, 6, 8)
+    flow[0, 0, 2, 3] = 2.0  # pixel (x=3, y=2) moves 2 px right
+    projected = infer.forward_project(flow)
+    assert projected[0, 0, 2, 5] > 0  # its flow now sits at (x=5, y=2)
+    assert projected[0, 0, 2, 3] == 0  # where it came from is left empty and filled from zero-flow neighbours
+    uniform = torch.ones(1, 2, 6, 8) * torch.tensor([3.0, 0.0]).view(1, 2, 1, 1)
+    # everything shifts right: the first 3 columns are filled from their neighbours with the same flow
+    torch.testing.assert_close(infer.forward_project(uniform), uniform)
 
 
 def test_infer_refuses_missing_input(tmp_path, checkpoint):

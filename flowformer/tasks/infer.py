@@ -5,8 +5,15 @@
     python run.py task=infer backbone=flowformer infer.checkpoint=things.pth infer.input=clip.mp4 infer.format=kitti
 
 Each consecutive pair (i, i+1) gives `<name of frame i>.flo` (or a KITTI 16-bit `.png`) and, with
-`infer.save_png`, a Middlebury colour-wheel picture `<name>_flow.png` in `infer.output_dir`. Any image size
-works: inputs are padded to a multiple of 8 and the flow cropped back.
+`infer.save_png`, a Middlebury colour-wheel picture `<name>_flow.png` in `infer.output_dir`; with
+`infer.save_video`, the colour-coded flow of every pair also goes to `flow.mp4` there. Any image size works:
+inputs are padded to a multiple of 8 and the flow cropped back. Frames are decoded one at a time, and the
+progress bar shows pairs per second.
+
+`infer.warm_start=true` starts each pair's refinement from the previous pair's 1/8-resolution flow, projected
+forward along itself (`forward_project`), as the official sequence evaluation does for Sintel.
+`infer.precision=auto` runs bf16 autocast on a GPU and fp32 on the CPU; `backbone.memory_budget_gb` bounds
+the memory at high resolutions.
 """
 
 from __future__ import annotations
@@ -18,13 +25,15 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig
-from rich.progress import track
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
+from rich.text import Text
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
 from flowformer.eval.padding import InputPadder
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.runtime import load_network, pick_device
+from flowformer.tasks.runtime import autocast_context, load_network, pick_device
 from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)
@@ -84,6 +93,51 @@ def to_tensor(image: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(image).permute(2, 0, 1).float()[None].to(device)
 
 
+def forward_project(flow: torch.Tensor) -> torch.Tensor:
+    """flow [B, 2, H, W] (x, y) of frame t -> an estimate for frame t+1: each pixel's flow is moved to where it
+    points (rounded to the nearest pixel, averaged where several land), and pixels nothing lands on take the
+    mean of their filled 3x3 neighbours, repeated until all are filled (zero flow if nothing lands inside).
+    The official sequence evaluation does this with scipy's nearest-neighbour griddata."""
+    batch, _, height, width = flow.shape
+    ys, xs = torch.meshgrid(
+        torch.arange(height, device=flow.device), torch.arange(width, device=flow.device), indexing="ij"
+    )
+    out = torch.zeros_like(flow)
+    for b in range(batch):
+        x1 = (xs + flow[b, 0]).round().long().flatten()
+        y1 = (ys + flow[b, 1]).round().long().flatten()
+        inside = (x1 >= 0) & (x1 < width) & (y1 >= 0) & (y1 < height)
+        if not inside.any():
+            continue
+        # sums of the flows landing on each pixel, and their count: [3, H*W] -> [1, 3, H, W]
+        sums = torch.zeros(3, height * width, device=flow.device, dtype=flow.dtype)
+        landing = torch.cat([flow[b].flatten(1)[:, inside], torch.ones_like(x1[inside][None], dtype=flow.dtype)])
+        sums.index_add_(1, (y1 * width + x1)[inside], landing)
+        mean, filled = split_mean(sums.view(1, 3, height, width))
+        while not filled.all():
+            # each empty pixel next to a filled one takes the mean of its filled 3x3 neighbours
+            weight = filled.to(mean.dtype)
+            pooled = F.avg_pool2d(torch.cat([mean * weight, weight], dim=1), 3, stride=1, padding=1)
+            grow = ~filled & (pooled[:, 2:] > 0)
+            mean = torch.where(grow, pooled[:, :2] / pooled[:, 2:].clamp(min=1e-12), mean)
+            filled = filled | grow
+        out[b] = mean[0]
+    return out
+
+
+def split_mean(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, 3, H, W] (sum u, sum v, count) -> (mean flow [1, 2, H, W], filled [1, 1, H, W] bool)."""
+    count = sums[:, 2:]
+    return sums[:, :2] / count.clamp(min=1), count > 0
+
+
+class PairsPerSecond(ProgressColumn):
+    """The progress bar's speed: flow fields per second."""
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed:.2f} pairs/s" if task.speed else "-- pairs/s")
+
+
 def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     if settings.format not in ("flo", "kitti"):
@@ -95,27 +149,52 @@ def run(cfg: DictConfig) -> None:
     names, frames, count = list_frames(settings.input)
     output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
     device = pick_device(settings.device)
+    precision = settings.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    autocast = autocast_context(device, precision, "infer.precision")
     net = load_network(cfg.backbone, settings.checkpoint, device)
 
+    video = None
     previous = to_tensor(next(frames), device)
-    for index, frame in enumerate(track(frames, total=count - 1, description="flow"), start=0):
-        current = to_tensor(frame, device)
-        if current.shape != previous.shape:
-            raise ValueError(
-                f"infer.input: frame {names[index + 1]} is {tuple(current.shape[-2:])}, but frame "
-                f"{names[index]} is {tuple(previous.shape[-2:])}; all frames must have one size"
-            )
-        padder = InputPadder(previous.shape, mode=settings.pad_mode)
-        with torch.inference_mode():
-            output = net(*padder.pad(previous, current), iters=settings.iters)
-        flow = padder.unpad(output["flow"])[0].permute(1, 2, 0).float().cpu().numpy()  # [H,W,2]
-        stem = output_dir / names[index]
-        if settings.format == "flo":
-            write_flo(stem.with_suffix(".flo"), flow)
-        else:
-            write_kitti_flow(stem.with_suffix(".png"), flow)
-        if settings.save_png:
-            picture = flow_to_color(flow)  # uint8 [H,W,3] RGB
-            cv2.imwrite(str(output_dir / f"{names[index]}_flow.png"), cv2.cvtColor(picture, cv2.COLOR_RGB2BGR))
-        previous = current
+    flow_init = None
+    columns = (TextColumn("flow"), BarColumn(), MofNCompleteColumn(), PairsPerSecond())
+    with Progress(*columns) as progress:
+        for index, frame in enumerate(progress.track(frames, total=count - 1), start=0):
+            current = to_tensor(frame, device)
+            if current.shape != previous.shape:
+                raise ValueError(
+                    f"infer.input: frame {names[index + 1]} is {tuple(current.shape[-2:])}, but frame "
+                    f"{names[index]} is {tuple(previous.shape[-2:])}; all frames must have one size"
+                )
+            padder = InputPadder(previous.shape, mode=settings.pad_mode)
+            with torch.inference_mode(), autocast:
+                output = net(*padder.pad(previous, current), iters=settings.iters, flow_init=flow_init)
+            if settings.warm_start:
+                flow_init = forward_project(output["flow_low"].float())
+            flow = padder.unpad(output["flow"])[0].permute(1, 2, 0).float().cpu().numpy()  # [H,W,2]
+            stem = output_dir / names[index]
+            if settings.format == "flo":
+                write_flo(stem.with_suffix(".flo"), flow)
+            else:
+                write_kitti_flow(stem.with_suffix(".png"), flow)
+            picture = cv2.cvtColor(flow_to_color(flow), cv2.COLOR_RGB2BGR)  # uint8 [H,W,3]
+            if settings.save_png:
+                cv2.imwrite(str(output_dir / f"{names[index]}_flow.png"), picture)
+            if settings.save_video:
+                if video is None:
+                    video = open_video(output_dir / "flow.mp4", settings.video_fps, picture.shape)
+                video.write(picture)
+            previous = current
+    if video is not None:
+        video.release()
     log.info("wrote %d flow fields to %s", count - 1, output_dir)
+
+
+def open_video(path: Path, fps: float, shape: tuple[int, ...]) -> cv2.VideoWriter:
+    """An mp4 (MPEG-4 Part 2, which OpenCV's bundled FFmpeg writes everywhere) for [H, W, 3] BGR frames."""
+    height, width = shape[:2]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    if not writer.isOpened():
+        raise OSError(f"OpenCV cannot write the flow video {path}; set infer.save_video=false")
+    return writer
