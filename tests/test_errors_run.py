@@ -8,28 +8,15 @@ import cv2
 import numpy as np
 import pytest
 from run_helper import run_py
-
-from flowformer.data.io import write_kitti_flow
+from test_datasets import H, W, _kitti_tree
 
 pytestmark = pytest.mark.slow
 
-SIZE = (32, 48)
-
-
-def kitti_tree(root: Path, *, corrupt: bool) -> Path:
-    """Two KITTI-2015 training pairs; with `corrupt`, their flow PNGs are 8-bit (a common download mistake)."""
-    rng = np.random.default_rng(0)
-    for i in range(2):
-        for frame in (10, 11):
-            path = root / "training" / "image_2" / f"{i:06d}_{frame}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            cv2.imwrite(str(path), rng.integers(0, 255, (*SIZE, 3), dtype=np.uint8))
-        flow_path = root / "training" / "flow_occ" / f"{i:06d}_10.png"
-        flow_path.parent.mkdir(parents=True, exist_ok=True)
-        if corrupt:
-            cv2.imwrite(str(flow_path), np.zeros((*SIZE, 3), dtype=np.uint8))
-        else:
-            write_kitti_flow(flow_path, np.zeros((*SIZE, 2), np.float32), np.ones(SIZE, np.float32))
+def corrupt_kitti_tree(root: Path) -> Path:
+    """Two KITTI-2015 pairs whose flow PNGs are 8-bit RGB (a common download mistake)."""
+    _kitti_tree(root)
+    for flow_path in (root / "training" / "flow_occ").glob("*.png"):
+        cv2.imwrite(str(flow_path), np.zeros((H, W, 3), dtype=np.uint8))
     return root
 
 
@@ -39,7 +26,7 @@ def error_lines(text: str) -> list[str]:
 
 @pytest.mark.parametrize("task", ["train", "eval"])
 def test_corrupt_flow_read_by_workers_is_one_line_naming_the_file(tmp_path, task):
-    kitti_tree(tmp_path / "KITTI", corrupt=True)
+    corrupt_kitti_tree(tmp_path / "KITTI")
     common = ["backbone=tiny", f"paths.data_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]
     if task == "train":
         overrides = [

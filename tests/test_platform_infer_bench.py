@@ -56,12 +56,17 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
     assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
 
 
-def test_infer_video_writes_kitti_pngs(tmp_path, checkpoint):
-    video = tmp_path / "clip.avi"
-    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
-    for frame in frames(3):
+def write_video(path: Path, count: int) -> Path:
+    """A Motion-JPEG .avi of `count` frames of `frames`."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
+    for frame in frames(count):
         writer.write(frame)
     writer.release()
+    return path
+
+
+def test_infer_video_writes_kitti_pngs(tmp_path, checkpoint):
+    video = write_video(tmp_path / "clip.avi", 3)
     out = tmp_path / "out"
     infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                      "infer.iters=2", "infer.device=cpu", "infer.format=kitti", "infer.save_png=false"))
@@ -71,11 +76,7 @@ def test_infer_video_writes_kitti_pngs(tmp_path, checkpoint):
 
 
 def test_video_warm_start_changes_the_flow_and_the_flow_video_opens(tmp_path, checkpoint):
-    video = tmp_path / "clip.avi"
-    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
-    for frame in frames(4):
-        writer.write(frame)
-    writer.release()
+    video = write_video(tmp_path / "clip.avi", 4)
     flows = {}
     for warm in ("false", "true"):
         out = tmp_path / f"warm_{warm}"

@@ -52,16 +52,19 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4)
 
 
+def quiet_trainer(**settings) -> L.Trainer:
+    """A CPU trainer without logger, progress bar or model summary."""
+    return L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **settings
+    )
+
+
 def test_last_checkpoint_is_the_final_state_when_validation_got_worse(tmp_path):
     cfg = compose_run_config(["debug=tiny", f"paths.output_dir={tmp_path}", "monitor=val/metric"])
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=5,  # the run ends between validations (every 2 steps), after a worse one at step 4
         val_check_interval=2,
         check_val_every_n_epoch=None,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[c for c in build_callbacks(cfg) if isinstance(c, Checkpoint)],  # as configured
         plugins=[SafeCheckpointIO()],
     )
@@ -84,12 +87,8 @@ def test_last_checkpoint_is_written_every_n_steps(tmp_path):
             if (tmp_path / "last.ckpt").is_file():
                 steps.append(torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"])
 
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=7,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[Record(), LastCheckpoint(tmp_path, every_n_train_steps=3)],
     )
@@ -126,6 +125,14 @@ class CreatesFile:
         return (open, (self.path, "w"))
 
 
+def test_a_checkpoint_read_for_the_resume_check_is_not_read_again(tmp_path):
+    path = tmp_path / "resume.ckpt"
+    torch.save({"global_step": 3}, path)
+    io = SafeCheckpointIO(resume=(str(path), {"global_step": 3, "read": "once"}))
+    assert io.load_checkpoint(path) == {"global_step": 3, "read": "once"}  # handed over, not read from disk
+    assert io.load_checkpoint(path) == {"global_step": 3}  # only once: later loads read the file
+
+
 def malicious_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
     payload = tmp_path / "pwned"
     path = tmp_path / "evil.ckpt"
@@ -137,9 +144,7 @@ def malicious_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
 def test_resume_loads_plain_values_whatever_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     path, payload = malicious_checkpoint(tmp_path)
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, plugins=[SafeCheckpointIO()]
-    )
+    trainer = quiet_trainer(max_steps=1, plugins=[SafeCheckpointIO()])
     with pytest.raises(CheckpointReadError):
         trainer.fit(GetsWorse(), train_dataloaders=loader(), ckpt_path=path)
     assert not payload.exists()

@@ -2,6 +2,7 @@
 DataLoader workers, DDP ranks split an epoch without overlap, and a resumed position skips exactly what was
 trained on."""
 
+import pytest
 import torch
 from test_datasets import _chairs_tree
 
@@ -40,24 +41,22 @@ def test_draws_do_not_depend_on_the_number_of_workers(tmp_path):
     assert len({image.numpy().tobytes() for image in flat}) == len(flat)
 
 
-def test_resumed_position_skips_exactly_the_batches_trained_on(tmp_path):
+@pytest.mark.parametrize(
+    ("position", "first_batch"),
+    [
+        ({"epoch": 1, "batches_done": 2}, 8),  # mid-epoch: the rest of epoch 1
+        ({"epoch": 0, "batches_done": 6}, 6),  # an epoch finished at the checkpoint: all of epoch 1
+    ],
+)
+def test_resumed_position_skips_exactly_the_batches_trained_on(tmp_path, position, first_batch):
     torch.manual_seed(7)
     full = epoch_images(FlowDataModule(train=augmented_chairs(tmp_path), batch_size=2), epochs=2)
     torch.manual_seed(7)
     module = FlowDataModule(train=augmented_chairs(tmp_path), batch_size=2)
-    module.load_state_dict({"epoch": 1, "batches_done": 2})
+    module.load_state_dict(position)
     resumed = [batch["img1"] for batch in module.train_dataloader()]
-    assert len(resumed) == 4 and all(torch.equal(a, b) for a, b in zip(resumed, full[8:], strict=True))
-
-
-def test_an_epoch_finished_at_the_checkpoint_resumes_with_the_next(tmp_path):
-    torch.manual_seed(7)
-    full = epoch_images(FlowDataModule(train=augmented_chairs(tmp_path), batch_size=2), epochs=2)
-    torch.manual_seed(7)
-    module = FlowDataModule(train=augmented_chairs(tmp_path), batch_size=2)
-    module.load_state_dict({"epoch": 0, "batches_done": 6})
-    resumed = [batch["img1"] for batch in module.train_dataloader()]
-    assert all(torch.equal(a, b) for a, b in zip(resumed, full[6:], strict=True))
+    assert len(resumed) == len(full) - first_batch
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full[first_batch:], strict=True))
 
 
 def test_ranks_share_an_epoch_without_overlap_and_keep_per_index_seeds():

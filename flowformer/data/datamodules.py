@@ -51,6 +51,7 @@ class _TrainingData(L.LightningDataModule):
     """DataLoader settings shared by both modules, and the resumable training loader."""
 
     def __init__(self, *, batch_size: int, num_workers: int, pin_memory: bool, persistent_workers: bool) -> None:
+        _check_loader_args(type(self).__name__, batch_size, num_workers)
         super().__init__()
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -58,7 +59,6 @@ class _TrainingData(L.LightningDataModule):
         self.persistent_workers = persistent_workers and num_workers > 0
         # seed_everything(cfg.seed) ran before the module was built, so this is the run seed.
         self.seed = torch.initial_seed()
-        self._sampler: ResumableSampler | None = None
         self._resume_at: tuple[int, int] | None = None
 
     def loader(self, dataset: Dataset, *, batch_size: int, sampler: ResumableSampler | None = None) -> DataLoader:
@@ -75,8 +75,13 @@ class _TrainingData(L.LightningDataModule):
 
     def train_loader(self, dataset: Dataset) -> DataLoader:
         """Shuffled, this process's share under DDP, drop_last; resumes where the checkpoint stopped."""
+        if len(dataset) < self.batch_size:
+            raise ValueError(
+                f"{type(self).__name__}: the training set has {len(dataset)} items, fewer than one batch of "
+                f"{self.batch_size} (batches are drop_last); lower data.batch_size"
+            )
         trainer = self.trainer
-        self._sampler = ResumableSampler(
+        sampler = ResumableSampler(
             dataset,
             seed=self.seed,
             num_replicas=trainer.world_size if trainer else 1,
@@ -84,14 +89,14 @@ class _TrainingData(L.LightningDataModule):
         )
         if self._resume_at is not None:
             epoch, batches_done = self._resume_at
-            if batches_done >= len(self._sampler) // self.batch_size:  # saved at the end of an epoch
+            if batches_done >= len(sampler) // self.batch_size:  # saved at the end of an epoch
                 epoch, batches_done = epoch + 1, 0
-            self._sampler.resume(epoch, batches_done * self.batch_size)
+            sampler.resume(epoch, batches_done * self.batch_size)
             self._resume_at = None
             # Lightning warns that a mid-epoch resume is unreliable unless the loader is stateful; this
             # module restores the position itself (the sampler skips the batches already trained on).
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
-        return self.loader(dataset, batch_size=self.batch_size, sampler=self._sampler)
+        return self.loader(dataset, batch_size=self.batch_size, sampler=sampler)
 
     def state_dict(self) -> dict[str, Any]:
         """The training position: the epoch and how many of its batches were trained on, from Lightning's loop
@@ -132,14 +137,13 @@ class FlowDataModule(_TrainingData):
         pin_memory: bool = False,
         persistent_workers: bool = False,
     ) -> None:
-        _check_loader_args("FlowDataModule", batch_size, num_workers)
-        _check_loader_args("FlowDataModule (val)", val_batch_size, num_workers)
         super().__init__(
             batch_size=batch_size,
             num_workers=num_workers,
             pin_memory=pin_memory,
             persistent_workers=persistent_workers,
         )
+        _check_loader_args("FlowDataModule (val)", val_batch_size, num_workers)
         self.train_set = train
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
@@ -155,11 +159,6 @@ class FlowDataModule(_TrainingData):
     def train_dataloader(self) -> DataLoader:
         if self.train_set is None:
             raise ValueError("FlowDataModule: this data config has no training dataset (data.train is null)")
-        if len(self.train_set) < self.batch_size:
-            raise ValueError(
-                f"FlowDataModule: the training set has {len(self.train_set)} items, fewer than one batch of "
-                f"{self.batch_size} (batches are drop_last); lower data.batch_size"
-            )
         return self.train_loader(self.train_set)
 
     def val_dataloader(self) -> list[DataLoader]:
@@ -187,7 +186,6 @@ class PretrainDataModule(_TrainingData):
         pin_memory: bool = False,
         persistent_workers: bool = False,
     ) -> None:
-        _check_loader_args("PretrainDataModule", batch_size, num_workers)
         super().__init__(
             batch_size=batch_size,
             num_workers=num_workers,
@@ -204,9 +202,4 @@ class PretrainDataModule(_TrainingData):
         log.info("pretraining data: %s", _describe(self.train_set))
 
     def train_dataloader(self) -> DataLoader:
-        if len(self.train_set) < self.batch_size:
-            raise ValueError(
-                f"PretrainDataModule: the training set has {len(self.train_set)} pairs, fewer than one batch of "
-                f"{self.batch_size} (batches are drop_last); lower data.batch_size"
-            )
         return self.train_loader(self.train_set)

@@ -36,7 +36,13 @@ class CheckpointWriteError(OSError):
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Atomic local writes (temporary file + rename) and weights-only reads."""
+    """Atomic local writes (temporary file + rename) and weights-only reads. `resume`: a (path, checkpoint)
+    already read and checked (`check_resume_checkpoint`), handed to Lightning's resume instead of reading the
+    file a second time."""
+
+    def __init__(self, resume: tuple[str | Path, dict] | None = None) -> None:
+        super().__init__()
+        self._resume = resume
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         path = Path(path)
@@ -54,6 +60,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
             ) from err
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        if self._resume is not None and Path(path) == Path(self._resume[0]):
+            checkpoint, self._resume = self._resume[1], None
+            return checkpoint
         return read_checkpoint(path)
 
 
@@ -94,9 +103,9 @@ class LastCheckpoint(Checkpoint):
 TRAINING_STATE_KEYS = ("state_dict", "global_step", "loops", "optimizer_states")
 
 
-def check_resume_checkpoint(path: str | Path, module: L.LightningModule) -> None:
-    """Refuse, before training starts, a ``ckpt_path`` that is unreadable, not a Lightning training checkpoint
-    or made for another network (the error lists missing / unexpected / mis-shaped keys)."""
+def check_resume_checkpoint(path: str | Path, module: L.LightningModule) -> dict:
+    """The checkpoint at ``ckpt_path``, refused before training starts when it is unreadable, not a Lightning
+    training checkpoint or made for another network (the error lists missing / unexpected / mis-shaped keys)."""
     checkpoint = read_checkpoint(path)
     missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
     if missing:
@@ -105,6 +114,7 @@ def check_resume_checkpoint(path: str | Path, module: L.LightningModule) -> None
             "from <run dir>/checkpoints/last.ckpt, or start from its weights with model.init_from=<file>"
         )
     check_compatible(module, checkpoint["state_dict"], f"ckpt_path={path}")
+    return checkpoint
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:

@@ -81,12 +81,11 @@ class FeatureCostVolume(CostVolume):
         self.num_rows = batch * height * width
         self.map_size = (height, width)
         self.block_rows = rows_per_block
-        with torch.autocast(device_type=feat1.device.type, enabled=False):
-            # [B, heads, H*W, C/heads]: per-head features in fp32, laid out as dense_cost_maps lays them out, so
-            # a block's maps are the dense volume's numbers
-            self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
-            self.f2 = feat2.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
-        self.feat2 = feat2.float()
+        self.feat2 = feat2.float()  # [B, C, H, W], sampled by `window`
+        # [B, heads, H*W, C/heads]: per-head features in fp32, laid out as dense_cost_maps lays them out, so a
+        # block's maps are the dense volume's numbers
+        self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+        self.f2 = self.feat2.view(batch, heads, channels // heads, height * width).transpose(-2, -1)
 
     def maps(self, rows: slice) -> Tensor:
         height, width = self.map_size

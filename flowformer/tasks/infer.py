@@ -113,7 +113,8 @@ def forward_project(flow: torch.Tensor) -> torch.Tensor:
         sums = torch.zeros(3, height * width, device=flow.device, dtype=flow.dtype)
         landing = torch.cat([flow[b].flatten(1)[:, inside], torch.ones_like(x1[inside][None], dtype=flow.dtype)])
         sums.index_add_(1, (y1 * width + x1)[inside], landing)
-        mean, filled = split_mean(sums.view(1, 3, height, width))
+        count = sums[2:].view(1, 1, height, width)
+        mean, filled = sums[:2].view(1, 2, height, width) / count.clamp(min=1), count > 0
         while not filled.all():
             # each empty pixel next to a filled one takes the mean of its filled 3x3 neighbours
             weight = filled.to(mean.dtype)
@@ -123,12 +124,6 @@ def forward_project(flow: torch.Tensor) -> torch.Tensor:
             filled = filled | grow
         out[b] = mean[0]
     return out
-
-
-def split_mean(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, 3, H, W] (sum u, sum v, count) -> (mean flow [1, 2, H, W], filled [1, 1, H, W] bool)."""
-    count = sums[:, 2:]
-    return sums[:, :2] / count.clamp(min=1), count > 0
 
 
 class PairsPerSecond(ProgressColumn):

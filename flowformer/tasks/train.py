@@ -59,12 +59,13 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
             cfg.model.init_from = None
 
     model = hydra.utils.instantiate(cfg.model)
+    resume = None
     if cfg.get("ckpt_path"):
-        check_resume_checkpoint(cfg.ckpt_path, model)
+        resume = (cfg.ckpt_path, check_resume_checkpoint(cfg.ckpt_path, model))
     loggers = build_loggers(cfg, output_dir)
     callbacks = [*build_callbacks(cfg), RandomStates()]
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO()]
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )
     log_config(loggers, cfg)
     record_wandb_id(loggers, output_dir / "checkpoints")
