@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flowformer.data.datasets import DatasetRootError
+from flowformer.data.io import FlowFileError
 from flowformer.data.transforms import ImagePairAugmentor
 from flowformer.data.video_datasets import VideoFolder, YouTubeVOS, pair_indices
 
@@ -96,5 +97,5 @@ def test_unreadable_pairs_are_skipped_with_a_warning(
         item = dataset[0]  # (0, 1) is unreadable -> (1, 2)
     assert item["meta"]["frame1"] == "00001" and "skipping pair 0" in caplog.text
     (root / "00002.jpg").write_bytes(b"broken too")
-    with pytest.raises(RuntimeError, match="consecutive pairs"):
+    with pytest.raises(FlowFileError, match=r"\.jpg: .*consecutive pairs"):
         dataset[0]

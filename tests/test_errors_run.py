@@ -1,5 +1,5 @@
 """Errors through run.py: one line, printed once, naming the file; corrupt data read by DataLoader workers
-too; FLOWFORMER_TRACEBACK=1 shows the traceback also for errors raised while Hydra builds objects; a run that
+too (training, evaluation and pretraining); FLOWFORMER_TRACEBACK=1 shows the traceback also for errors raised while Hydra builds objects; a run that
 fails before it starts leaves no run directory behind."""
 
 from pathlib import Path
@@ -46,6 +46,36 @@ def test_corrupt_flow_read_by_workers_is_one_line_naming_the_file(tmp_path, task
     lines = error_lines(output)
     assert len(lines) == 1, output[-3000:]
     assert "flow_occ/00000" in lines[0] and "expected a 3-channel 16-bit KITTI flow PNG" in lines[0]
+    assert "Traceback" not in output and "DataLoader worker" not in output
+
+
+def test_unreadable_pretraining_frames_read_by_workers_are_one_line_naming_a_file(tmp_path):
+    clip = tmp_path / "videos" / "clip"
+    clip.mkdir(parents=True)
+    for i in range(4):
+        (clip / f"{i:05d}.png").write_bytes(b"not a png")
+    result = run_py(
+        "task=pretrain",
+        "model=mcva",
+        "backbone=tiny",
+        "trainer=cpu",
+        "data=video_folder",
+        f"data.train.root={tmp_path / 'videos'}",
+        "data.train.frame_gap=1",
+        "data.train.stride=1",
+        "data.train.augmentor=null",
+        "+data.train.max_skips=2",
+        "data.num_workers=2",
+        "data.batch_size=1",
+        "trainer.max_steps=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        expect_ok=False,
+    )
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error")]
+    assert len(lines) == 1, output[-3000:]
+    assert "clip/0000" in lines[0] and "consecutive pairs" in lines[0]
     assert "Traceback" not in output and "DataLoader worker" not in output
 
 

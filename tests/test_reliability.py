@@ -16,6 +16,7 @@ import pytest
 import torch
 from compose_helper import compose_run_config
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from omegaconf import OmegaConf
 from run_helper import REPO, run_py
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -96,6 +97,23 @@ def test_last_checkpoint_is_written_every_n_steps(tmp_path):
     # Record runs before the checkpoint callback within a step: it sees the file of the step before
     assert steps == [3, 3, 3, 6]  # seen at the ends of steps 4, 5, 6 and 7
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7
+
+
+def test_last_checkpoint_is_written_when_max_time_stops_the_run(tmp_path):
+    class Slow(GetsWorse):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.2)
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(
+        max_time={"seconds": 1},
+        max_epochs=-1,
+        limit_val_batches=0,
+        callbacks=[LastCheckpoint(tmp_path, every_n_train_steps=1000)],
+    )
+    trainer.fit(Slow(), train_dataloaders=loader())
+    assert 0 < trainer.global_step < 1000
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == trainer.global_step
 
 
 def test_a_failed_checkpoint_write_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -205,6 +223,13 @@ def test_fresh_dir_claims_a_new_directory_when_the_second_is_taken(tmp_path, mon
     second = run_dirs.fresh_dir(str(tmp_path))
     assert Path(first).name == "2026-01-01_00-00-00" and Path(second).name == "2026-01-01_00-00-00_2"
     assert Path(first).is_dir() and Path(second).is_dir()
+
+
+def test_runs_and_sweeps_claim_fresh_directories():
+    hydra_cfg = compose_run_config([]).hydra
+    run, sweep = OmegaConf.to_container(hydra_cfg.run), OmegaConf.to_container(hydra_cfg.sweep)
+    assert run["dir"].startswith("${fresh_dir:") and sweep["dir"].startswith("${fresh_dir:")
+    assert sweep["subdir"].startswith("${hydra.job.num}_")  # each job of a sweep: its own numbered folder
 
 
 def test_two_runs_started_together_get_two_intact_directories(tmp_path):

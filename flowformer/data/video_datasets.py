@@ -5,7 +5,7 @@ Items are ``img1``, ``img2`` float32 [3, H, W] in 0..255 and ``meta`` (``dataset
 
 As in the official loader, a pair that cannot be used (a frame fails to read, the two sizes differ, or the
 image is smaller than the augmentor's crop) is skipped for the next index, with a warning; after
-``max_skips`` consecutive failures the last problem is raised.
+``max_skips`` consecutive failures the last problem is raised (a FlowFileError naming that file).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class _PairDataset(Dataset):
 
     def __getitem__(self, item: int | SampleKey) -> dict[str, Any]:
         index, rng = unpack_item(item, self._rng)
-        error: Exception | None = None
+        error: FlowFileError | None = None
         for attempt in range(self.max_skips):
             pair = self.pairs[(index + attempt) % len(self.pairs)]
             try:
@@ -151,9 +151,11 @@ class _PairDataset(Dataset):
                 "frame2": str(frame2),
             }
             return {"img1": to_chw(img1), "img2": to_chw(img2), "meta": meta}
-        raise RuntimeError(
-            f"{type(self).__name__}: {self.max_skips} consecutive pairs from index {index} could not be used; "
-            f"last problem: {error}"
+        # a FlowFileError naming the last bad file, so a DataLoader worker's failure reads as the same one line
+        raise FlowFileError(
+            error.path,
+            f"{error.problem} ({type(self).__name__}: the last of {self.max_skips} consecutive pairs from index "
+            f"{index} that could not be used; check the dataset files)",
         )
 
 
