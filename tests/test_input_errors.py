@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from flowformer.data.io import FlowFileError, read_kitti_flow, read_pfm
-from flowformer.models import FlowFormer
+from flowformer.models import FlowFormer, build_flowformer
 
 
 class OneFileDataset(Dataset):
@@ -96,7 +96,7 @@ def test_16x16_is_enough_for_the_cnn_encoder(tiny_net: FlowFormer, size: tuple[i
 @pytest.mark.parametrize("size", [(24, 32), (32, 24), (8, 64)])
 def test_too_small_images_name_the_minimum_for_the_twins_encoder(size: tuple[int, int]) -> None:
     with torch.device("meta"):
-        net = FlowFormer(variant="flowformer")
+        net = build_flowformer(variant="flowformer")
         image = torch.zeros(1, 3, *size)
     expected = f"twins image encoder needs images of at least 32x32 pixels, got {size[0]}x{size[1]};"
     with pytest.raises(ValueError, match=expected):
@@ -105,7 +105,7 @@ def test_too_small_images_name_the_minimum_for_the_twins_encoder(size: tuple[int
 
 def test_32x32_is_enough_for_the_twins_encoder() -> None:
     torch.manual_seed(0)
-    net = FlowFormer(variant="flowformer").eval()
+    net = build_flowformer(variant="flowformer").eval()
     image = torch.rand(1, 3, 32, 32) * 255
     with torch.no_grad():
         flow = net(image, image.flip(-1), iters=1)["flow"]

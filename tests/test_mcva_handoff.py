@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import REPO_DIR, backbone_config
+from conftest import REPO_DIR, backbone_config, mcva_settings
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -26,7 +26,9 @@ def pretrained(tmp_path_factory) -> tuple[Path, dict]:
     """Two MCVA steps of the tiny backbone, saved by Lightning as last.ckpt."""
     root = tmp_path_factory.mktemp("mcva")
     torch.manual_seed(0)
-    module = MCVAPretrainModule(backbone=backbone_config(), query_num=2, log_images_every_n_steps=0)
+    module = MCVAPretrainModule(
+        backbone=backbone_config(), **mcva_settings(query_num=2, log_images_every_n_steps=0)
+    )
     before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
     images = torch.rand(4, 3, 64, 96) * 255
     items = [{"img1": images[i], "img2": images[i].roll(2, -1)} for i in range(4)]

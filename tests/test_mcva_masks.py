@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import mask_generator
 
 from flowformer.models.mcva import (
-    CostMaskGenerator,
     block_sharing_noise,
     cost_token_grid,
     expand_block_noise,
@@ -44,7 +44,7 @@ def test_block_expansion_reproduces_the_official_mask_noise(fixture_c):
 
 
 def test_token_mask_from_the_official_noise_matches_ids_keep_and_key_mask(fixture_c):
-    token_mask = CostMaskGenerator(strategy="block", mask_ratio=0.5).token_mask(fixture_c["mask_noise"])
+    token_mask = mask_generator(masking="block", mask_ratio=0.5).token_mask(fixture_c["mask_noise"])
     assert torch.equal(token_mask.ids_keep, fixture_c["ids_keep"])
     assert torch.equal(token_mask.removed, fixture_c["mask_for_keys"])
 
@@ -61,7 +61,7 @@ def test_random_locations_follow_the_official_formula(fixture_c):
 def test_block_sharing_noise_is_constant_per_block_for_any_grid(h1, w1):
     gen = torch.Generator().manual_seed(3)
     num_tokens = cost_token_grid(h1, w1)[0] * cost_token_grid(h1, w1)[1]
-    noise, params = block_sharing_noise(6, h1, w1, num_tokens, generator=gen)
+    noise, params = block_sharing_noise(6, h1, w1, num_tokens, min_block=4, max_block=15, generator=gen)
     assert noise.shape == (6, h1, w1, num_tokens)
     for b in range(6):
         gh, gw, start_h, start_w = (int(v) for v in params[b])
@@ -78,14 +78,16 @@ def test_block_sharing_noise_is_constant_per_block_for_any_grid(h1, w1):
 
 
 def test_block_offsets_and_sizes_vary_between_samples():
-    _, params = block_sharing_noise(64, 46, 62, 48, generator=torch.Generator().manual_seed(0))
+    _, params = block_sharing_noise(
+        64, 46, 62, 48, min_block=4, max_block=15, generator=torch.Generator().manual_seed(0)
+    )
     assert params[:, 0].unique().numel() > 5 and params[:, 2].unique().numel() > 3
 
 
 @pytest.mark.parametrize("strategy", ["block", "random"])
 @pytest.mark.parametrize("ratio", [0.2, 0.5, 0.8])
 def test_exactly_int_l_times_one_minus_ratio_tokens_stay_visible(strategy, ratio):
-    generator = CostMaskGenerator(strategy=strategy, mask_ratio=ratio)
+    generator = mask_generator(masking=strategy, mask_ratio=ratio)
     noise = generator.noise(2, 46, 62, generator=torch.Generator().manual_seed(1))
     mask = generator.token_mask(noise)
     n_keep = int(48 * (1 - ratio))
@@ -99,22 +101,22 @@ def test_exactly_int_l_times_one_minus_ratio_tokens_stay_visible(strategy, ratio
 
 
 def test_random_masking_does_not_share_masks_between_neighbours():
-    generator = CostMaskGenerator(strategy="random", mask_ratio=0.5)
+    generator = mask_generator(masking="random", mask_ratio=0.5)
     mask = generator.token_mask(generator.noise(1, 46, 62, generator=torch.Generator().manual_seed(0)))
     distinct = mask.removed.unique(dim=0).shape[0]
     assert distinct > 0.95 * 46 * 62
-    block = CostMaskGenerator(strategy="block", mask_ratio=0.5)
+    block = mask_generator(masking="block", mask_ratio=0.5)
     block_mask = block.token_mask(block.noise(1, 46, 62, generator=torch.Generator().manual_seed(0)))
     assert block_mask.removed.unique(dim=0).shape[0] <= 8 * 10
 
 
 def test_bad_mask_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="masking="):
-        CostMaskGenerator(strategy="grid")
+        mask_generator(masking="grid")
     with pytest.raises(ValueError, match="mask_ratio"):
-        CostMaskGenerator(mask_ratio=1.0)
+        mask_generator(mask_ratio=1.0)
     with pytest.raises(ValueError, match="keeps no cost-map patch"):
-        CostMaskGenerator(mask_ratio=0.99).token_mask(torch.rand(1, 8, 12, 2))
+        mask_generator(mask_ratio=0.99).token_mask(torch.rand(1, 8, 12, 2))
 
 
 def test_random_locations_keep_the_window_inside_the_map():

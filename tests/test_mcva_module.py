@@ -4,14 +4,13 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import backbone_config
+from conftest import backbone_config, mask_generator, mcva_settings
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch.utils.data import DataLoader
 
 from flowformer.lit.mcva import MCVAPretrainModule, mask_panel, patch_panel
 from flowformer.models import FlowFormer, TokenMask, sample_cost_window
 from flowformer.models.mcva import (
-    CostMaskGenerator,
     normalize_per_pixel,
     recon_locations,
     reconstruction_loss,
@@ -23,7 +22,7 @@ H, W = 96, 128  # 1/8 res: 12 x 16 source pixels, 2 x 2 cost-map tokens each
 def make_module(backbone_overrides: dict | None = None, **kwargs) -> MCVAPretrainModule:
     torch.manual_seed(0)
     kwargs.setdefault("query_num", 3)
-    return MCVAPretrainModule(backbone=backbone_config(**(backbone_overrides or {})), **kwargs)
+    return MCVAPretrainModule(backbone=backbone_config(**(backbone_overrides or {})), **mcva_settings(**kwargs))
 
 
 def image_pair(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +60,12 @@ def test_loss_is_the_left_to_right_sum_of_rounds_of_normalised_target_mse():
     net = module.backbone
     feat1, feat2, context = net.encode_images(*images)
     cost_maps = net.cost_volume(feat1, feat2)
-    memory = net.encode_cost(cost_maps, context, token_mask=CostMaskGenerator().token_mask(noise))
+    memory = net.encode_cost(cost_maps, context, token_mask=mask_generator().token_mask(noise))
     coords = recon_locations(uniform[0], shape=(2, H // 8, W // 8), recon_size=15, location="random")
     target = sample_cost_window(cost_maps, coords, 7)  # [B, 225, H1, W1]
     prediction = net.pretrain_head(net.query_cost_memory(memory, cost_maps, coords))
     torch.testing.assert_close(
-        output.round_losses[0], reconstruction_loss(prediction, target), rtol=1e-5, atol=0
+        output.round_losses[0], reconstruction_loss(prediction, target, normalize="target"), rtol=1e-5, atol=0
     )
     torch.testing.assert_close(output.targets[0], normalize_per_pixel(target))
     assert output.predictions[0].shape == (2, 225, H // 8, W // 8)
@@ -105,7 +104,7 @@ def test_masked_cost_patches_do_not_reach_the_cost_memory(tiny_net: FlowFormer):
     h1, w1 = 16, 24
     cost_maps = torch.randn(h1 * w1, 1, h1, w1) * 10  # [B*H1*W1, 1, H1, W1], B = 1
     context = torch.randn(1, 64, h1, w1)
-    mask = CostMaskGenerator(mask_ratio=0.5).token_mask(torch.rand(1, h1, w1, 6))
+    mask = mask_generator(mask_ratio=0.5).token_mask(torch.rand(1, h1, w1, 6))
     # removed [N, 6] over the 2x3 token grid -> pixel mask [N, 1, 16, 24] by 8x8 repetition
     pixel_removed = mask.removed.view(-1, 1, 2, 3).repeat_interleave(8, 2).repeat_interleave(8, 3)
     junk = torch.randn_like(cost_maps) * 100
@@ -154,7 +153,7 @@ def test_fixed_locations_repeat_the_same_round():
 
 def test_clear_errors_for_a_backbone_without_head_and_for_bad_sizes():
     with pytest.raises(ValueError, match="flowformer_pp"):
-        MCVAPretrainModule(backbone=backbone_config(variant="flowformer"))
+        MCVAPretrainModule(backbone=backbone_config(variant="flowformer"), **mcva_settings())
     module = make_module()
     with pytest.raises(ValueError, match="multiples of 8"):
         module.pretrain_step(torch.zeros(1, 3, 60, 96), torch.zeros(1, 3, 60, 96))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import mcva_settings
 
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.models import load_official
@@ -31,7 +32,7 @@ def official_step():
     torch.set_num_threads(2)  # the fixture's thread count (fixtures README: bitwise on this setup)
     try:
         net = load_official(FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp")
-        module = MCVAPretrainModule(backbone=net, query_num=30).train()
+        module = MCVAPretrainModule(backbone=net, **mcva_settings()).train()
         output = module.pretrain_step(
             expected["image1"].float(),
             expected["image2"].float(),

@@ -4,6 +4,7 @@ import csv
 
 import lightning as L
 import torch
+from conftest import mcva_settings
 from lightning.pytorch.callbacks import Callback
 from run_helper import run_py
 from torch.utils.data import DataLoader
@@ -25,7 +26,9 @@ class LossRecorder(Callback):
 
 def test_reconstruction_loss_falls_within_thirty_steps_on_synthetic_clips(tiny_config: dict):
     L.seed_everything(0)
-    module = MCVAPretrainModule(backbone=tiny_config, query_num=4, log_images_every_n_steps=0)
+    module = MCVAPretrainModule(
+        backbone=tiny_config, **mcva_settings(query_num=4, log_images_every_n_steps=0)
+    )
     clips = SyntheticVideoDataset(num_samples=64, size=(64, 96), seed=0)
     recorder = LossRecorder()
     trainer = L.Trainer(

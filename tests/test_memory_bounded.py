@@ -4,9 +4,10 @@ plan that picks them from the budget."""
 
 import pytest
 import torch
-from conftest import backbone_kwargs
+from conftest import build_backbone
 
 from flowformer.models import FlowFormer, sample_cost_window
+from flowformer.models.cost_encoder import PatchEmbed
 from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, dense_cost_maps
 from flowformer.models.layers import softmax_attention
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
@@ -14,7 +15,7 @@ from flowformer.models.memory_plan import MemoryPlan, plan_memory
 
 def tiny(**overrides) -> FlowFormer:
     torch.manual_seed(0)
-    return FlowFormer(**backbone_kwargs(**overrides)).eval()
+    return build_backbone(**overrides).eval()
 
 
 def features(batch: int = 2, channels: int = 8, size: tuple[int, int] = (5, 7)) -> tuple[torch.Tensor, ...]:
@@ -53,7 +54,7 @@ def test_fused_attention_equals_the_written_out_product():
 
 
 def test_plan_is_dense_when_it_fits_and_bounded_when_not():
-    sizes = {"heads": 1, "patch_dim": 64, "pe_dim": 64}
+    sizes = {"heads": 1, "cost_map_bytes": PatchEmbed(in_chans=1, dim=64, pe_dim=64).activation_bytes(135, 240)}
     assert plan_memory(None, batch=1, h1=135, w1=240, **sizes).dense
     assert plan_memory(64.0, batch=1, h1=46, w1=62, **sizes).dense  # 368x496 fits 64 GB
     plan = plan_memory(4.0, batch=1, h1=135, w1=240, **sizes)  # 1080p in 4 GB

@@ -11,7 +11,14 @@ import torch
 from conftest import CONF_DIR, REPO_DIR, backbone_config, backbone_kwargs, build_backbone
 from hydra.utils import instantiate
 
-from flowformer.models import FlowFormer, export_official, load_backbone_weights, load_official, save_backbone
+from flowformer.models import (
+    FlowFormer,
+    build_flowformer,
+    export_official,
+    load_backbone_weights,
+    load_official,
+    save_backbone,
+)
 from flowformer.models.checkpoint import (
     CheckpointMismatchError,
     CheckpointReadError,
@@ -26,7 +33,7 @@ REFERENCE = REPO_DIR.parent / "shared" / "reference"
 
 def meta_net(**kwargs) -> FlowFormer:
     with torch.device("meta"):
-        return FlowFormer(**kwargs)
+        return build_flowformer(**kwargs)
 
 
 def read_key_list(name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -333,7 +340,7 @@ def test_twins_weights_from_a_local_file(tmp_path: Path) -> None:
     state["blocks.2.0.attn.qkv.weight"] = torch.zeros(3)  # later stages and the head are ignored
     state["head.weight"] = torch.zeros(2)
     torch.save(state, tmp_path / "twins_svt_large.pth")
-    encoder = TwinsEncoder(weights=str(tmp_path / "twins_svt_large.pth"))
+    encoder = TwinsEncoder(twins_weights=str(tmp_path / "twins_svt_large.pth"))
     assert torch.equal(encoder.svt.patch_embeds[0].proj.weight, state["patch_embeds.0.proj.weight"])
     del state["norm.weight"]
     state["patch_embeds.0.proj.bias"] = torch.zeros(5)

@@ -5,7 +5,7 @@ import torch
 from conftest import build_backbone
 from torch.nn.functional import grid_sample
 
-from flowformer.models import FlowFormer, TokenMask, layers, sample_cost_window
+from flowformer.models import FlowFormer, TokenMask, build_flowformer, layers, sample_cost_window
 
 H, W = 64, 96
 
@@ -209,11 +209,13 @@ def test_decoder_query_rejects_unknown_source() -> None:
 
 def test_bad_settings_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="variant"):
-        FlowFormer(variant="raft")
+        build_flowformer(variant="raft")
     with pytest.raises(ValueError, match="feature_dim must be 256"):
-        FlowFormer(image_encoder="twins", feature_dim=64)
+        build_flowformer(image_encoder="twins", feature_dim=64)
     with pytest.raises(FileNotFoundError, match="twins_weights"):
-        FlowFormer(image_encoder="twins", twins_weights="/nonexistent/twins.pth")
+        build_flowformer(image_encoder="twins", twins_weights="/nonexistent/twins.pth")
+    with pytest.raises(ValueError, match="cost_encoder must be one of"):
+        build_flowformer(cost_encoder="convnext")
 
 
 @pytest.mark.parametrize("masked", [False, True])

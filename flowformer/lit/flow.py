@@ -17,7 +17,7 @@ from flowformer.lit.images import image_api, log_images
 from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.losses import sequence_loss
 from flowformer.metrics import ValidationMetrics
-from flowformer.models.checkpoint import load_backbone_weights, without_retired_keys
+from flowformer.models.checkpoint import current_backbone_config, load_backbone_weights
 from flowformer.viz import flow_panel
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
             f"model.backbone must be an nn.Module or a config with `_target_` (see conf/backbone/); "
             f"got keys {sorted(backbone)}"
         )
-    return hydra.utils.instantiate(without_retired_keys(backbone))
+    return hydra.utils.instantiate(current_backbone_config(backbone))
 
 
 def check_finite(value: Tensor, what: str, step: int) -> None:

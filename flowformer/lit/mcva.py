@@ -1,4 +1,5 @@
-"""MCVA pretraining of the shared FlowFormer backbone on unlabeled image pairs (FlowFormer++, SPEC §5)."""
+"""MCVA pretraining of the shared FlowFormer backbone on unlabeled image pairs (FlowFormer++'s
+`pretrain_FlowFormer_maemask.py`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from flowformer.models.mcva import (
     MCVAOutput,
     NormalizedSide,
     ReconLocation,
+    ReconstructionObjective,
     mcva_forward,
 )
 
@@ -32,7 +34,7 @@ def patch_panel(predictions: Tensor, targets: Tensor, *, num_pixels: int = 4) ->
     """Target next to prediction for a few source pixels of sample 0 -> uint8 [(n(S+1)-1)*z, (2S+1)*z, 3].
 
     predictions, targets [B, S^2, H1, W1] with the official x-major window layout (channel k = i*S + j, i the
-    x offset, j the y offset; SPEC §9.1.2), so each patch is shown transposed to (y, x). Every patch is scaled
+    x offset, j the y offset; flowformer.models.sample_cost_window), so each patch is shown transposed to (y, x). Every patch is scaled
     to its own min..max (the two sides may live on different scales when the prediction side is normalised).
     """
     _, channels, h1, w1 = targets.shape
@@ -67,13 +69,16 @@ class MCVAPretrainModule(L.LightningModule):
     """Masked Cost Volume Autoencoding: the cost encoder, the decoder's cost query and the reconstruction head
     learn to rebuild S x S cost-map windows around random locations from a masked cost volume.
 
+    The knobs have no defaults: conf/model/mcva.yaml holds them (the official values), and says why the
+    network's ablation knobs (decoder_query, recon_size, recon_head_depth) are backbone knobs instead.
+
     backbone: a FlowFormer with variant="flowformer_pp" (it has `pretrain_head`), or its config mapping.
-    lr, weight_decay, total_steps, pct_start: AdamW + linear OneCycle (SPEC §5.6); total_steps None takes
+    lr, weight_decay, total_steps, pct_start: AdamW + linear OneCycle; total_steps None takes
         trainer.max_steps + 100 as the official loop does. Gradient clipping 1.0 comes from the trainer config.
-    masking, mask_ratio, min_block, max_block: the cost-volume mask (SPEC §5.2); exactly
+    masking, mask_ratio, min_block, max_block: the cost-volume mask (CostMaskGenerator); exactly
         int(L * (1 - mask_ratio)) of the L patch tokens per source pixel stay visible.
     recon_location: "random" (the method) or "fixed" (MAE-style: each source pixel's own position).
-    query_num: query rounds per step; the loss is their sum (SPEC §5.5).
+    query_num: query rounds per step; the loss is their sum, as in the official code.
     normalize: "target" (the official code) or "prediction" (the paper's equation).
     freeze_image_encoder, freeze_context_encoder: frozen modules get requires_grad=False and stay in eval mode.
     log_images_every_n_steps: pictures of target/prediction patches and of the block mask (0 = never); they go
@@ -84,29 +89,26 @@ class MCVAPretrainModule(L.LightningModule):
         self,
         *,
         backbone: nn.Module | Mapping[str, Any],
-        lr: float = 5e-4,
-        weight_decay: float = 1e-5,
-        total_steps: int | None = None,
-        pct_start: float = 0.05,
-        masking: MaskingStrategy = "block",
-        mask_ratio: float = 0.5,
-        min_block: int = 4,
-        max_block: int = 15,
-        recon_location: ReconLocation = "random",
-        query_num: int = 30,
-        normalize: NormalizedSide = "target",
-        freeze_image_encoder: bool = True,
-        freeze_context_encoder: bool = True,
-        log_images_every_n_steps: int = 500,
-        num_logged_patches: int = 4,
+        lr: float,
+        weight_decay: float,
+        total_steps: int | None,
+        pct_start: float,
+        masking: MaskingStrategy,
+        mask_ratio: float,
+        min_block: int,
+        max_block: int,
+        recon_location: ReconLocation,
+        query_num: int,
+        normalize: NormalizedSide,
+        freeze_image_encoder: bool,
+        freeze_context_encoder: bool,
+        log_images_every_n_steps: int,
+        num_logged_patches: int,
     ) -> None:
         super().__init__()
-        if query_num < 1:
-            raise ValueError(f"model.query_num={query_num}: expected at least one query round per step.")
-        if normalize not in ("target", "prediction"):
-            raise ValueError(f"model.normalize={normalize!r}: expected 'target' or 'prediction'.")
-        if recon_location not in ("random", "fixed"):
-            raise ValueError(f"model.recon_location={recon_location!r}: expected 'random' or 'fixed'.")
+        self.objective = ReconstructionObjective(
+            recon_location=recon_location, query_num=query_num, normalize=normalize
+        )
         self.save_hyperparameters(
             {
                 "backbone": plain_backbone_config(backbone),
@@ -134,7 +136,7 @@ class MCVAPretrainModule(L.LightningModule):
                 "(backbone=flowformer_pp, or backbone=tiny / small with backbone.variant=flowformer_pp)."
             )
         self.mask_generator = CostMaskGenerator(
-            strategy=masking, mask_ratio=mask_ratio, min_block=min_block, max_block=max_block
+            masking=masking, mask_ratio=mask_ratio, min_block=min_block, max_block=max_block
         )
         self._rngs: dict[str, torch.Generator] = {}
         self._pending_rng_states: dict[str, Tensor] = {}
@@ -182,15 +184,15 @@ class MCVAPretrainModule(L.LightningModule):
                 "synthetic clips)."
             )
         h1, w1 = height // 8, width // 8
-        hp = self.hparams
         if mask_noise is None:
             mask_noise = self.mask_generator.noise(batch, h1, w1, generator=self._generator("mask", "cpu"))
-        if query_uniform is None and hp.recon_location == "random":
+        objective = self.objective
+        if query_uniform is None and objective.recon_location == "random":
             rng = self._generator("query", image1.device)
             query_uniform = torch.stack(
                 [
                     torch.rand(batch, 2, h1, w1, device=image1.device, generator=rng)
-                    for _ in range(hp.query_num)
+                    for _ in range(objective.query_num)
                 ]
             )
         return mcva_forward(
@@ -200,9 +202,7 @@ class MCVAPretrainModule(L.LightningModule):
             mask_noise=mask_noise,
             query_uniform=query_uniform,
             mask_generator=self.mask_generator,
-            recon_location=hp.recon_location,
-            query_num=hp.query_num,
-            normalize=hp.normalize,
+            objective=objective,
             keep_rounds=keep_rounds,
         )
 
@@ -240,7 +240,7 @@ class MCVAPretrainModule(L.LightningModule):
         check_finite(output.loss.detach(), "MCVA loss", self.global_step)
         batch_size = image1.shape[0]
         self.log("train/loss", output.loss, prog_bar=True, batch_size=batch_size)
-        self.log("train/loss_per_round", output.loss.detach() / self.hparams.query_num, batch_size=batch_size)
+        self.log("train/loss_per_round", output.loss.detach() / self.objective.query_num, batch_size=batch_size)
         self.log("train/visible_ratio", output.token_mask.visible_ratio, batch_size=batch_size)
         if self._trainer is not None and self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)

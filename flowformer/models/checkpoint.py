@@ -1,8 +1,8 @@
 """Checkpoint handoff: official FlowFormer/FlowFormer++ `.pth` files, our own backbone files, Lightning `.ckpt`.
 
 Our module names equal the official ones, so the key map between the two layouts is only the `module.` prefix
-that `nn.DataParallel` adds (SPEC §3): `from_official` strips it, `to_official` adds it back, and a round trip is
-exact. Our backbone format is `{"format": "flowformer-backbone", "version": 1, "config": {...}, "state_dict": ...}`,
+that `nn.DataParallel` adds (the released files were saved from it): `from_official` strips it, `to_official`
+adds it back, and a round trip is exact. Our backbone format is `{"format": "flowformer-backbone", "version": 1, "config": {...}, "state_dict": ...}`,
 plain values only, so `torch.load(weights_only=True)` reads it.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowformer.models.build import build_flowformer
 from flowformer.models.flowformer import FlowFormer
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,13 @@ OFFICIAL_PREFIX = "module."
 # Lightning .ckpt keys of the network: FlowModule and MCVAPretrainModule (flowformer/lit/) hold it as their
 # `backbone` attribute. Spelled out here rather than read from those classes because models/ must not import lit/.
 LIGHTNING_PREFIX = "backbone."
-# Constructor knobs FlowFormer no longer takes, dropped wherever a stored backbone config is read (our backbone
-# files, the `backbone` hyper-parameters of Lightning checkpoints) so files saved before their removal still load.
-# decoder_iters: the old default of forward's `iters`, which every caller now passes itself.
+# Stored backbone configs (our backbone files, the `backbone` hyper-parameters of Lightning checkpoints) written by
+# older versions are brought up to date wherever they are read (`current_backbone_config`), so they still load:
+# - knobs no longer taken are dropped; decoder_iters: the old default of forward's `iters`, which every caller now
+#   passes itself;
+# - the old `_target_`: FlowFormer took the knobs itself before it was assembled from parts by build_flowformer.
 RETIRED_BACKBONE_KEYS = ("decoder_iters",)
+RETIRED_TARGETS = {"flowformer.models.FlowFormer": "flowformer.models.build_flowformer"}
 
 
 @dataclass
@@ -205,23 +209,32 @@ def load_backbone_weights(
 
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:
     """Build the official architecture of `variant` (Twins encoders, paper knobs) and load a released checkpoint
-    strictly; returns the network in eval mode. `overrides` change constructor knobs (e.g. tokenize_chunk=4096)."""
+    strictly; returns the network in eval mode. `overrides` change backbone knobs (e.g. tokenize_chunk=4096)."""
     state, _ = _unwrap(read_checkpoint(path), path)
     with torch.device("meta"):
-        net = FlowFormer(variant=variant, **overrides)
+        net = build_flowformer(variant=variant, **overrides)
     check_compatible(net, state, f"official checkpoint {path} (variant={variant!r})")
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     net.load_state_dict(state, strict=True, assign=True)
     return net.eval()
 
 
-def without_retired_keys(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored backbone config without the knobs FlowFormer no longer takes (RETIRED_BACKBONE_KEYS)."""
-    return {k: v for k, v in config.items() if k not in RETIRED_BACKBONE_KEYS}
+def current_backbone_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored backbone config as today's builder takes it: without RETIRED_BACKBONE_KEYS, with an old
+    `_target_` replaced (RETIRED_TARGETS)."""
+    current = {k: v for k, v in config.items() if k not in RETIRED_BACKBONE_KEYS}
+    if "_target_" in current:
+        current["_target_"] = RETIRED_TARGETS.get(current["_target_"], current["_target_"])
+    return current
 
 
 def save_backbone(path: str | Path, net: FlowFormer) -> None:
     """Write the network in our backbone format (plain values; readable with weights_only=True)."""
+    if net.config is None:
+        raise ValueError(
+            "save_backbone needs a network built by flowformer.models.build_flowformer (its knobs rebuild it); "
+            "for a network assembled by hand, save its state_dict"
+        )
     _write(
         {
             "format": BACKBONE_FORMAT,
@@ -239,7 +252,7 @@ def load_backbone(path: str | Path) -> FlowFormer:
     if obj.get("format") != BACKBONE_FORMAT:
         raise ValueError(f"{path} is not a {BACKBONE_FORMAT} file; use load_official for released .pth files")
     with torch.device("meta"):
-        net = FlowFormer(**without_retired_keys(obj["config"]))
+        net = build_flowformer(**current_backbone_config(obj["config"]))
     check_compatible(net, obj["state_dict"], f"backbone checkpoint {path}")
     net.load_state_dict(obj["state_dict"], strict=True, assign=True)
     return net

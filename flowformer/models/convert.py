@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from flowformer.models.checkpoint import export_official, load_backbone, load_official, save_backbone
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         "--backbone",
         type=Path,
         default=None,
-        help="conf/backbone/*.yaml whose knobs describe the architecture (default: the paper's)",
+        help="conf/backbone/*.yaml whose knobs (with those it inherits) describe the architecture "
+        "(default: the paper's)",
     )
     parser.add_argument(
         "--to-official", action="store_true", help="convert our backbone file to the official layout"
@@ -53,13 +55,22 @@ def _convert(args: argparse.Namespace) -> None:
         return
     knobs: dict = {}
     if args.backbone is not None:
-        knobs = OmegaConf.to_container(OmegaConf.load(args.backbone), resolve=True)
-        knobs.pop("_target_", None)
+        knobs = backbone_knobs(args.backbone)
     variant = args.variant or knobs.pop("variant", "flowformer")
     knobs.pop("variant", None)
     net = load_official(args.src, variant=variant, **knobs)
     save_backbone(args.dst, net)
     print(f"wrote {variant} backbone checkpoint to {args.dst}")
+
+
+def backbone_knobs(path: Path) -> dict:
+    """The knobs of a conf/backbone/*.yaml file, composed with the files it inherits (its `defaults`)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--backbone {path}: no such file; pass one of conf/backbone/*.yaml")
+    with initialize_config_dir(config_dir=str(path.resolve().parent), version_base="1.3"):
+        knobs = OmegaConf.to_container(compose(config_name=path.stem), resolve=True)
+    knobs.pop("_target_", None)
+    return knobs
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""Cost-volume encoder: patchify each cost map, summarise it into K latent tokens, then alternate intra- and
-inter-cost-map attention (the AGT layers). SPEC §1.5-1.8 and, for the MCVA mask, §5.4.
+"""Cost-volume encoders: what FlowFormer asks of one (`CostEncoder`), the official one (`CostPerceiverEncoder`:
+patchify each cost map, summarise it into K latent tokens, then alternate intra- and inter-cost-map attention,
+the AGT layers) and the paper's ablation that mixes the K tokens with an MLP-Mixer block instead of attention
+(`MixerCostEncoder`).
 
-Module and parameter names follow the official `CostPerceiverEncoder` so checkpoints load by key.
+Module and parameter names follow the official `CostPerceiverEncoder`
+(`core/FlowFormer/LatentCostFormer/encoder.py`, FlowFormer++'s `PerCostFormer3/encoder.py` for the MCVA mask) so
+checkpoints load by key.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -22,18 +27,20 @@ from flowformer.models.layers import (
 )
 from flowformer.models.token_mask import TokenMask
 
-PATCH = 8  # cost-map patch size: three stride-2 convs (SPEC §1.5)
-WINDOW = 7  # LSA window in the inter-cost-map attention (SPEC §1.8)
-SUBSAMPLE = 4  # GSA sub-sampling ratio (SPEC §1.8)
-HEADS = 8
+PATCH = 8  # cost-map patch size: three stride-2 convs, as the official `patch_size = 8`
+WINDOW = 7  # LSA window of the inter-cost-map attention (official `LocallyGroupedAttnRPEContext`, ws = 7)
+SUBSAMPLE = 4  # GSA sub-sampling ratio (official `GlobalSubSampleAttnRPEContext`, sr_ratio = 4)
+HEADS = 8  # attention heads of every cost-encoder attention (official constant)
+FLOAT_BYTES = 4
 
 
 class PatchEmbed(nn.Module):
-    """Cost maps [N, heads, H2, W2] -> patch tokens [N, H3*W3, dim + pe_dim] (SPEC §1.5, §5.4).
+    """Cost maps [N, heads, H2, W2] -> patch tokens [N, H3*W3, dim + pe_dim] (official `PatchEmbed`).
 
-    Zero-pad to multiples of 8, three k6/s2/p2 convs with ReLU only between them, concatenate the sine code of
-    the patch centres (8j+4, 8i+4), 1x1 conv FFN, LayerNorm. With `removed` masks (MCVA), each conv input is
-    multiplied by (1 - mask) at its own resolution.
+    Zero-pad to multiples of 8, three k6/s2/p2 convs with ReLU only between them (none after the last, unlike
+    the paper's figure), concatenate the sine code of the patch centres (8j+4, 8i+4), 1x1 conv FFN, LayerNorm.
+    With `removed` masks (MCVA, FlowFormer++'s masked `PatchEmbed`), each conv input is multiplied by (1 - mask)
+    at its own resolution.
     """
 
     def __init__(self, *, in_chans: int, dim: int, pe_dim: int) -> None:
@@ -56,6 +63,21 @@ class PatchEmbed(nn.Module):
         )
         self.norm = nn.LayerNorm(token_dim)
 
+    def activation_bytes(self, height: int, width: int) -> int:
+        """fp32 activations of one [heads, height, width] cost map through this embedding: the padded map, the
+        three convolutions (with their ReLU outputs) and the token FFN on the 1/8 grid."""
+        heads, dim = self.proj[0].in_channels, self.proj[4].out_channels
+        hp, wp = -(-height // PATCH) * PATCH, -(-width // PATCH) * PATCH
+        tokens = (hp // PATCH) * (wp // PATCH)
+        values = (
+            heads * hp * wp
+            + 2 * (dim // 4) * (hp // 2) * (wp // 2)
+            + 2 * (dim // 2) * (hp // 4) * (wp // 4)
+            + dim * tokens
+            + 4 * (dim + self.pe_dim) * tokens
+        )
+        return values * FLOAT_BYTES
+
     def forward(self, cost_maps: Tensor, removed: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
         n, _, height, width = cost_maps.shape
         x = F.pad(cost_maps, (0, (PATCH - width % PATCH) % PATCH, 0, (PATCH - height % PATCH) % PATCH))
@@ -68,7 +90,8 @@ class PatchEmbed(nn.Module):
                     f"[{n}, {h3 * w3}] for cost maps {tuple(cost_maps.shape)} (one bit per 8x8 cost patch)"
                 )
             grid = removed.view(n, 1, h3, w3).to(x.dtype)
-            # one bit per token -> nearest-upsampled to 48x64, 24x32, 12x16 for the three convs (SPEC §5.2)
+            # one bit per token -> nearest-upsampled to the input of each conv (48x64, 24x32, 12x16 for 46x62
+            # maps), as FlowFormer++'s `random_masking` builds mask_for_patch1..3
             masks = [grid.repeat_interleave(s, dim=2).repeat_interleave(s, dim=3) for s in (8, 4, 2)]
         for idx, layer in enumerate(self.proj):
             if idx % 2 == 0 and masks[idx // 2] is not None:
@@ -83,10 +106,10 @@ class PatchEmbed(nn.Module):
 
 
 class LatentCrossAttention(nn.Module):
-    """K latent codewords attend to the patch tokens of each cost map (official `input_layer`, SPEC §1.7).
+    """K latent codewords attend to the patch tokens of each cost map (official `input_layer`, 8 heads, FFN 1x).
 
     latent [1, K, D], tokens [N, L, T] -> [N, K, D]. With `ids_keep` [N, n_keep] only the kept tokens are
-    gathered before k and v (MCVA, SPEC §5.4).
+    gathered before k and v (MCVA, as FlowFormer++'s `CrossAttentionLayer`).
     """
 
     def __init__(self, *, dim: int, token_dim: int) -> None:
@@ -127,8 +150,9 @@ class SelfAttentionLayer(nn.Module):
 
 
 def _context_tokens(context: Tensor | None, proj: nn.Linear | None, rows: int) -> Tensor | None:
-    """context [B, Cc, H, W] -> projected [B*K, H, W, c], row b*K + k = image b (the per-image pairing that
-    FlowFormer++ uses; FlowFormer's `repeat` pairs wrongly for B > 1, SPEC §9.1.1)."""
+    """context [B, Cc, H, W] -> projected [B*K, H, W, c], row b*K + k = image b: the per-image pairing of
+    FlowFormer++. FlowFormer's `context.repeat(K, 1, 1, 1)` gives row r image r mod B, wrong for B > 1; we
+    pair correctly in both variants (docs/departures.md)."""
     if proj is None:
         return None
     if context is None:
@@ -142,10 +166,11 @@ def _context_tokens(context: Tensor | None, proj: nn.Linear | None, rows: int) -
 
 
 class LocalWindowAttention(nn.Module):
-    """LSA over the source grid, 7x7 windows, window-local sine code on q/k (SPEC §1.8, PE use b).
+    """LSA over the source grid, 7x7 windows, window-local sine code (dim D + c) added to q and k (official
+    `LocallyGroupedAttnRPEContext`).
 
     x [B*K, H1*W1, D] -> same. With context (c > 0), q and k see [x ‖ context_proj(ctx)]; v sees x only.
-    Padded positions take part in the softmax unmasked, as in the official code (SPEC §9.1.3).
+    Zero-padded positions take part in the softmax unmasked, as in the official code.
     """
 
     def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int) -> None:
@@ -167,16 +192,15 @@ class LocalWindowAttention(nn.Module):
         x_qk = x if ctx is None else torch.cat([x, ctx.to(x.dtype)], dim=-1)
         pad = (0, 0, 0, (ws - width % ws) % ws, 0, (ws - height % ws) % ws)
         x, x_qk = F.pad(x, pad), F.pad(x_qk, pad)
-        hp, wp = x.shape[1], x.shape[2]
-        nh, nw = hp // ws, wp // ws
+        nh = x.shape[1] // ws
 
         def windows(t: Tensor) -> Tensor:
             # [rows, Hp, Wp, C] -> [rows, nh, nw, ws, ws, C]
-            return t.reshape(rows, nh, ws, nw, ws, t.shape[-1]).transpose(2, 3)
+            return rearrange(t, "r (nh y) (nw x) c -> r nh nw y x c", y=ws, x=ws)
 
         def split_heads(t: Tensor) -> Tensor:
             # [rows, nh, nw, ws, ws, C] -> [rows, nh*nw, heads, ws*ws, C/heads]
-            return t.reshape(rows, nh * nw, ws * ws, heads, channels // heads).permute(0, 1, 3, 2, 4)
+            return rearrange(t, "r nh nw y x (h c) -> r (nh nw) h (y x) c", h=heads)
 
         v = split_heads(self.v(windows(x)))
         local = coords_grid(1, ws, ws, device=x.device).view(1, 2, -1).permute(0, 2, 1)
@@ -184,13 +208,15 @@ class LocalWindowAttention(nn.Module):
         x_qk = windows(x_qk) + pe
         q, k = split_heads(self.q(x_qk)), split_heads(self.k(x_qk))
         attn = ((q @ k.transpose(-2, -1)) * (channels // heads) ** -0.5).softmax(dim=-1)
-        out = (attn @ v).transpose(2, 3).reshape(rows, nh, nw, ws, ws, channels)
-        out = out.transpose(2, 3).reshape(rows, hp, wp, channels)[:, :height, :width, :]
+        # [rows, nh*nw, heads, ws*ws, C/heads] -> [rows, Hp, Wp, C], then crop the padding
+        out = rearrange(attn @ v, "r (nh nw) h (y x) c -> r (nh y) (nw x) (h c)", nh=nh, y=ws)
+        out = out[:, :height, :width, :]
         return self.proj(out.reshape(rows, n, channels))
 
 
 class GlobalSubsampledAttention(nn.Module):
-    """GSA: every position attends to a 4x4-strided summary of the grid (SPEC §1.8, PE uses c and d).
+    """GSA: every position attends to a 4x4-strided summary of the grid (official `GlobalSubSampleAttnRPEContext`;
+    sine code of the padded absolute position on the query, of the sub-sampled position x4 on the key).
 
     x [B*K, H1*W1, D] -> same. With context: q from [x ‖ ctx] + PE, keys from `sr_key` on [x ‖ ctx] then the
     shared `norm`, + PE of the sub-sampled coordinates ×4; values from `sr_value` on x then the same `norm`.
@@ -277,18 +303,50 @@ class VerticalSelfAttentionLayer(nn.Module):
         return self.global_block(self.local_block(x, size, context), size, context)
 
 
-class CostPerceiverEncoder(nn.Module):
-    """cost_maps [B*H1*W1, heads, H2, W2] (+ context [B, Cc, H1, W1]) -> cost memory [B*H1*W1, K, D]."""
+class CostEncoder(nn.Module):
+    """What FlowFormer asks of a cost encoder; subclass it to add one (and name it in `COST_ENCODERS`,
+    flowformer/models/build.py, to select it with `backbone.cost_encoder=<name>`).
+
+    forward(cost, context, token_mask=None) -> cost memory [B*H1*W1, K, D]
+        cost: the cost maps [B*H1*W1, heads, H2, W2], or a CostVolume (the memory-bounded path computes them in
+            blocks): read them through `as_cost_volume(cost).maps(rows)`, at most `block_rows` rows at a time.
+        context: image 1's context features [B, C, H1, W1] (an encoder may ignore them).
+        token_mask: MCVA only: which 8x8 patches of each cost map the encoder must not see. An encoder that
+            cannot hide patches sets `supports_token_mask = False`; FlowFormer then refuses masked encoding.
+    Attributes: `cost_heads` (cost maps per source pixel), `num_latent_tokens` (K) and `latent_dim` (D, the
+    width the decoder reads the memory with).
+    """
+
+    cost_heads: int
+    num_latent_tokens: int
+    latent_dim: int
+    supports_token_mask: bool = True
+
+    def cost_map_bytes(self, height: int, width: int) -> int:
+        """Bytes one [heads, height, width] cost map costs while it is encoded (MemoryPlan sizes its blocks
+        with it); here the map itself in fp32, subclasses add their activations."""
+        return self.cost_heads * height * width * FLOAT_BYTES
+
+
+class CostPerceiverEncoder(CostEncoder):
+    """The official cost encoder: cost maps [B*H1*W1, heads, H2, W2] (+ context [B, Cc, H1, W1]) -> cost memory
+    [B*H1*W1, K, D].
+
+    Patch tokens of width `cost_patch_dim` + `patch_pe_dim`; K = `num_latent_tokens` latent codewords of width
+    D = `latent_dim`; `agt_depth` AGT layers, each an intra-cost-map layer (`intra_layer`) over the K tokens of
+    one source pixel, then LSA + GSA over the source grid per latent slot with `context_proj_dim` channels of
+    projected context (0: context-free, FlowFormer-small); `gsa_key_pe`: the GSA keys carry a sine code.
+    """
 
     def __init__(
         self,
         *,
         cost_heads: int,
-        patch_dim: int,
+        cost_patch_dim: int,
         patch_pe_dim: int,
         num_latent_tokens: int,
         latent_dim: int,
-        depth: int,
+        agt_depth: int,
         context_dim: int,
         context_proj_dim: int,
         gsa_key_pe: bool,
@@ -300,13 +358,15 @@ class CostPerceiverEncoder(nn.Module):
             raise ValueError(
                 f"backbone.tokenize_chunk must be a positive number of cost maps or null, got {tokenize_chunk}"
             )
+        self.cost_heads = cost_heads
         self.num_latent_tokens = num_latent_tokens
+        self.latent_dim = latent_dim
         self.tokenize_chunk = tokenize_chunk
         self.tokenize_checkpoint = tokenize_checkpoint
-        self.patch_embed = PatchEmbed(in_chans=cost_heads, dim=patch_dim, pe_dim=patch_pe_dim)
+        self.patch_embed = PatchEmbed(in_chans=cost_heads, dim=cost_patch_dim, pe_dim=patch_pe_dim)
         self.latent_tokens = nn.Parameter(torch.randn(1, num_latent_tokens, latent_dim))
-        self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=patch_dim + patch_pe_dim)
-        self.encoder_layers = nn.ModuleList([SelfAttentionLayer(dim=latent_dim) for _ in range(depth)])
+        self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=cost_patch_dim + patch_pe_dim)
+        self.encoder_layers = nn.ModuleList([self.intra_layer() for _ in range(agt_depth)])
         self.vertical_encoder_layers = nn.ModuleList(
             [
                 VerticalSelfAttentionLayer(
@@ -315,9 +375,16 @@ class CostPerceiverEncoder(nn.Module):
                     context_proj_dim=context_proj_dim,
                     key_pe=gsa_key_pe,
                 )
-                for _ in range(depth)
+                for _ in range(agt_depth)
             ]
         )
+
+    def intra_layer(self) -> nn.Module:
+        """One intra-cost-map layer, [N, K, D] -> [N, K, D]: self-attention over the K tokens."""
+        return SelfAttentionLayer(dim=self.latent_dim)
+
+    def cost_map_bytes(self, height: int, width: int) -> int:
+        return self.patch_embed.activation_bytes(height, width)
 
     def _tokenize_rows(self, cost_maps: Tensor, removed: Tensor | None, ids_keep: Tensor | None) -> Tensor:
         tokens, _ = self.patch_embed(cost_maps, removed)  # [n, heads, H2, W2] -> [n, H3*W3, T]
@@ -326,11 +393,11 @@ class CostPerceiverEncoder(nn.Module):
     def tokenize(self, cost: Tensor | CostVolume, token_mask: TokenMask | None = None) -> Tensor:
         """Patchify + latent summary, cost maps [N, heads, H2, W2] -> [N, K, D]; every row is independent.
 
-        The patchify activations are the network's largest (about 15 GB per 432x960 training sample, SPEC §9.2).
-        Rows are processed in blocks of at most `tokenize_chunk` and of the cost volume's `block_rows` (a
-        FeatureCostVolume computes only that many cost maps at a time), and `tokenize_checkpoint` recomputes
-        each block in the backward pass instead of storing its activations. Blocks give the same numbers as
-        one pass.
+        The patchify activations are the network's largest (about 15 GB per 432x960 training sample, measured
+        with the official code on CPU). Rows are processed in blocks of at most `tokenize_chunk` and of the cost
+        volume's `block_rows` (a FeatureCostVolume computes only that many cost maps at a time), and
+        `tokenize_checkpoint` recomputes each block in the backward pass instead of storing its activations.
+        Blocks give the same numbers as one pass.
         """
         cost = as_cost_volume(cost)
         chunk = min(self.tokenize_chunk or cost.num_rows, cost.block_rows)
@@ -351,13 +418,40 @@ class CostPerceiverEncoder(nn.Module):
     def forward(self, cost: Tensor | CostVolume, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
         """cost: the volume [B*H1*W1, heads, H2, W2] or a CostVolume -> cost memory [B*H1*W1, K, D]."""
         batch, _, h1, w1 = context.shape
-        k = self.num_latent_tokens
         x = self.tokenize(cost, token_mask)
         shortcut = x  # [B*H1*W1, K, D]
         for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
             x = intra(x)
-            # [B*H1*W1, K, D] -> [B*K, H1*W1, D]: row b*K + k holds slot k of every source pixel of image b
-            x = x.view(batch, h1 * w1, k, -1).permute(0, 2, 1, 3).reshape(batch * k, h1 * w1, -1)
+            # row b*K + k holds slot k of every source pixel of image b
+            x = rearrange(x, "(b n) k d -> (b k) n d", b=batch)  # -> [B*K, H1*W1, D]
             x = inter(x, (h1, w1), context)
-            x = x.view(batch, k, h1 * w1, -1).permute(0, 2, 1, 3).reshape(batch * h1 * w1, k, -1)
+            x = rearrange(x, "(b k) n d -> (b n) k d", b=batch)  # -> [B*H1*W1, K, D]
         return x + shortcut
+
+
+class MixerLayer(nn.Module):
+    """MLP-Mixer block over the K tokens of one source pixel, [N, K, D] -> [N, K, D]: a token-mixing MLP across
+    the K tokens, then a channel-mixing MLP across D, each pre-norm and residual, hidden width 4x."""
+
+    def __init__(self, *, num_tokens: int, dim: int, expansion: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.token_mlp = Mlp(dim=num_tokens, hidden=expansion * num_tokens)
+        self.norm2 = nn.LayerNorm(dim)
+        self.channel_mlp = Mlp(dim=dim, hidden=expansion * dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mixed = self.token_mlp(rearrange(self.norm1(x), "n k d -> n d k"))  # mixes the K tokens
+        x = x + rearrange(mixed, "n d k -> n k d")
+        return x + self.channel_mlp(self.norm2(x))
+
+
+class MixerCostEncoder(CostPerceiverEncoder):
+    """The paper's AGT ablation (FlowFormer, "Transformer v.s. MLP&Conv in AGT", row "MLP / Trans"; the
+    official `use_mlp` option): the intra-cost-map self-attention of every AGT layer is an MLP-Mixer block,
+    which the fixed number K of latent tokens allows. Tokenisation, MCVA masking and the inter-cost-map layers
+    are the official ones; its checkpoints do not load into the official cost encoder (other `encoder_layers`).
+    """
+
+    def intra_layer(self) -> nn.Module:
+        return MixerLayer(num_tokens=self.num_latent_tokens, dim=self.latent_dim)

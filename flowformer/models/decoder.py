@@ -1,10 +1,12 @@
-"""Recurrent cost-memory decoder: cost queries, GMA motion aggregation, SepConvGRU, convex upsampling
-(SPEC §1.9), plus FlowFormer++'s reconstruction head (SPEC §5.5). Official module names, so checkpoints load."""
+"""Recurrent cost-memory decoder: cost queries, GMA motion aggregation, SepConvGRU, convex upsampling (official
+`core/FlowFormer/LatentCostFormer/decoder.py`, `MemoryDecoder`), plus FlowFormer++'s reconstruction head
+(`PerCostFormer3/decoder.py`, `pretrain_head`). Official module names, so checkpoints load."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
@@ -25,15 +27,16 @@ class CostQueryAttention(nn.Module):
     """A cost query attends to the K memory tokens of its own source pixel (official `cross_attend`).
 
     query [N, 1, Q], coords [B, 2, H1, W1] with N = B*H1*W1, memory keys/values [N, K, Q] -> [N, 1, Q].
-    `query_source="crop_and_pe"`: q = Linear(LN(query) + PE(coords)); `"pe"`: q = Linear(PE(coords)).
-    FlowFormer projects cat[attn, query] (proj 2Q -> Q); FlowFormer++ projects attn only (Q -> Q), SPEC §9.1.8.
+    `decoder_query="crop_and_pe"`: q = Linear(LN(query) + PE(coords)) (official `add_flow_token` /
+    `flow_or_pe="and"`); `"pe"`: q = Linear(PE(coords)) (the MCVA ablation).
+    FlowFormer projects cat[attn, query] (proj 2Q -> Q); FlowFormer++ projects attn only (Q -> Q).
     """
 
-    def __init__(self, *, query_dim: int, memory_dim: int, concat_shortcut: bool, query_source: str) -> None:
+    def __init__(self, *, query_dim: int, memory_dim: int, concat_shortcut: bool, decoder_query: str) -> None:
         super().__init__()
-        if query_source not in ("crop_and_pe", "pe"):
-            raise ValueError(f"decoder_query must be 'crop_and_pe' or 'pe', got {query_source!r}")
-        self.query_dim, self.concat_shortcut, self.query_source = query_dim, concat_shortcut, query_source
+        if decoder_query not in ("crop_and_pe", "pe"):
+            raise ValueError(f"backbone.decoder_query must be 'crop_and_pe' or 'pe', got {decoder_query!r}")
+        self.query_dim, self.concat_shortcut, self.decoder_query = query_dim, concat_shortcut, decoder_query
         self.norm1 = nn.LayerNorm(query_dim)
         self.norm2 = nn.LayerNorm(query_dim)
         self.q = nn.Linear(query_dim, query_dim)
@@ -46,7 +49,7 @@ class CostQueryAttention(nn.Module):
         batch, _, h1, w1 = coords.shape
         points = coords.contiguous().view(batch, 2, -1).permute(0, 2, 1).reshape(batch * h1 * w1, 1, 2)
         pe = linear_position_encoding(points, self.query_dim)
-        q_in = pe if self.query_source == "pe" else self.norm1(query) + pe
+        q_in = pe if self.decoder_query == "pe" else self.norm1(query) + pe
         x = multi_head_attention(self.q(q_in), key, value, HEADS)
         x = self.proj(torch.cat([x, query], dim=2) if self.concat_shortcut else x)
         x = query + x
@@ -56,18 +59,19 @@ class CostQueryAttention(nn.Module):
 class MemoryDecoderLayer(nn.Module):
     """Holder that gives the cost-query attention its official key prefix `decoder_layer.cross_attend.`."""
 
-    def __init__(self, *, query_dim: int, memory_dim: int, concat_shortcut: bool, query_source: str) -> None:
+    def __init__(self, *, query_dim: int, memory_dim: int, concat_shortcut: bool, decoder_query: str) -> None:
         super().__init__()
         self.cross_attend = CostQueryAttention(
             query_dim=query_dim,
             memory_dim=memory_dim,
             concat_shortcut=concat_shortcut,
-            query_source=query_source,
+            decoder_query=decoder_query,
         )
 
 
 class RelPosEmb(nn.Module):
-    """GMA's relative position embedding: constructed (and stored in checkpoints) but never called (SPEC §9.1.9)."""
+    """GMA's relative position embedding: the official code constructs it (so checkpoints hold it) but never
+    calls it."""
 
     def __init__(self, *, max_pos_size: int = 160, dim_head: int = 128) -> None:
         super().__init__()
@@ -215,26 +219,31 @@ class GMAUpdateBlock(nn.Module):
         motion = self.encoder(flow, corr)
         motion_global = self.aggregator(attention, motion)
         net = self.gru(net, torch.cat([inp, motion, motion_global], dim=1))
-        # 0.25 scales the mask logits "to balance gradients" (SPEC §1.9 step 12)
+        # 0.25 scales the mask logits "to balance gradients", as the official GMAUpdateBlock does
         return net, 0.25 * self.mask(net) if with_mask else None, self.flow_head(net)
 
 
-def pretrain_head(*, query_dim: int, recon_size: int, depth: int) -> nn.Sequential:
-    """FlowFormer++ reconstruction MLP of 1x1 convs with GELU between (SPEC §5.5):
-    cost_global [B, Q, H1, W1] -> [B, recon_size², H1, W1]. depth 3 = official (Q -> 2Q -> 2Q -> r²)."""
-    if depth < 1:
-        raise ValueError(f"recon_head_depth must be >= 1, got {depth}")
-    widths = [query_dim] + [2 * query_dim] * (depth - 1) + [recon_size**2]
-    layers: list[nn.Module] = []
-    for i in range(depth):
-        if i > 0:
-            layers.append(nn.GELU())
-        layers.append(nn.Conv2d(widths[i], widths[i + 1], 1))
-    return nn.Sequential(*layers)
+class ReconstructionHead(nn.Sequential):
+    """FlowFormer++'s MCVA reconstruction MLP, `recon_head_depth` 1x1 convs with GELU between:
+    cost_global [B, Q, H1, W1] -> [B, recon_size², H1, W1]. Depth 3 and recon_size 15 are the official
+    `pretrain_head` (Q -> 2Q -> 2Q -> 225, `gt_r = 15`)."""
+
+    def __init__(self, *, query_dim: int, recon_size: int, recon_head_depth: int) -> None:
+        if recon_head_depth < 1:
+            raise ValueError(f"backbone.recon_head_depth must be >= 1, got {recon_head_depth}")
+        widths = [query_dim] + [2 * query_dim] * (recon_head_depth - 1) + [recon_size**2]
+        layers: list[nn.Module] = []
+        for i in range(recon_head_depth):
+            if i > 0:
+                layers.append(nn.GELU())
+            layers.append(nn.Conv2d(widths[i], widths[i + 1], 1))
+        super().__init__(*layers)
+        self.recon_size = recon_size
 
 
 class MemoryDecoder(nn.Module):
-    """Iterative flow decoding from the cost memory (SPEC §1.9)."""
+    """Iterative flow decoding from the cost memory [B*H1*W1, K, memory_dim]; with `recon_size`, also
+    FlowFormer++'s reconstruction head (`recon_size` None: no head, FlowFormer)."""
 
     def __init__(
         self,
@@ -244,7 +253,7 @@ class MemoryDecoder(nn.Module):
         query_dim: int,
         cost_heads: int,
         concat_shortcut: bool,
-        query_source: str,
+        decoder_query: str,
         recon_size: int | None,
         recon_head_depth: int,
     ) -> None:
@@ -254,15 +263,15 @@ class MemoryDecoder(nn.Module):
             nn.Conv2d(crop_dim, query_dim, 1), nn.GELU(), nn.Conv2d(query_dim, query_dim, 1)
         )
         if recon_size is not None:
-            self.pretrain_head = pretrain_head(
-                query_dim=query_dim, recon_size=recon_size, depth=recon_head_depth
+            self.pretrain_head = ReconstructionHead(
+                query_dim=query_dim, recon_size=recon_size, recon_head_depth=recon_head_depth
             )
         self.proj = nn.Conv2d(context_dim, 2 * HIDDEN, 1)
         self.decoder_layer = MemoryDecoderLayer(
             query_dim=query_dim,
             memory_dim=memory_dim,
             concat_shortcut=concat_shortcut,
-            query_source=query_source,
+            decoder_query=decoder_query,
         )
         self.update_block = GMAUpdateBlock(corr_dim=query_dim + crop_dim)
         self.att = GMAAttention()
@@ -276,12 +285,11 @@ class MemoryDecoder(nn.Module):
         self, kv: tuple[Tensor, Tensor], cost: Tensor | CostVolume, coords: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Cost query at coords [B, 2, H1, W1] -> (cost_global [B, Q, H1, W1], crop [B, heads*81, H1, W1])."""
-        batch, _, h1, w1 = coords.shape
+        batch, h1 = coords.shape[0], coords.shape[2]
         crop = as_cost_volume(cost).window(coords, QUERY_RADIUS)
-        query = self.flow_token_encoder(crop)
-        query = query.permute(0, 2, 3, 1).contiguous().view(batch * h1 * w1, 1, -1)  # [B*H1*W1, 1, Q]
+        query = rearrange(self.flow_token_encoder(crop), "b q y x -> (b y x) 1 q")  # -> [B*H1*W1, 1, Q]
         cost_global = self.decoder_layer.cross_attend(query, coords, *kv)
-        return cost_global.view(batch, h1, w1, -1).permute(0, 3, 1, 2), crop
+        return rearrange(cost_global, "(b y x) 1 q -> b q y x", b=batch, y=h1), crop  # -> [B, Q, H1, W1]
 
     def forward(
         self,

@@ -1,6 +1,7 @@
 """Image encoders: the first two stages of Twins-SVT-Large (timm) and the GMA/RAFT CNN `BasicEncoder`.
 
-Both map a normalised image [B, 3, H, W] to features [B, C, H/8, W/8].
+Both map a normalised image [B, 3, H, W] to features [B, feature_dim, H/8, W/8] and say which images they accept:
+`kind` names them in messages, `min_image_side` is the smallest image side they take.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import timm
 import torch
 from torch import Tensor, nn
 
-TWINS_DIM = 256  # channels of Twins-SVT-Large stage 2 (SPEC §1.2)
+TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
 TWINS_LARGE_FINAL_DIM = 1024  # width of twins_svt_large's last stage, the size of its final `norm`
 _TWINS_NOT_BUILT = (
     "head.",
@@ -26,15 +27,23 @@ _TWINS_NOT_BUILT = (
 
 
 class TwinsEncoder(nn.Module):
-    """Stages 0 and 1 of timm's `twins_svt_large` (SPEC §1.2): [B,3,H,W] -> [B,256,H/8,W/8].
+    """Stages 0 and 1 of timm's `twins_svt_large` (official `core/FlowFormer/encoders.py`, `twins_svt_large`):
+    [B,3,H,W] -> [B,256,H/8,W/8].
 
     Only stages 0 and 1 are built (building all four and deleting two cost 0.4 GB of peak memory for nothing);
     there is no head, and `svt.norm` (the LayerNorm 1024 after stage 3) is kept, unused, because the official
     checkpoints contain it. `weights` is an optional local path to timm's ImageNet checkpoint; nothing is
     downloaded.
+
+    Images need sides of at least 32 pixels: stage 0's sub-sampled attention runs an 8x8-kernel conv on the
+    1/4-resolution tokens (stage 1 a 4x4 one on the 1/8-resolution ones).
     """
 
-    def __init__(self, *, weights: str | None = None) -> None:
+    kind = "twins"
+    min_image_side = 32
+    feature_dim = TWINS_DIM
+
+    def __init__(self, *, twins_weights: str | None = None) -> None:
         super().__init__()
         # twins_svt_large's settings for its stages 0 and 1 (timm's twins_svt_large: embed dims 128/256,
         # heads 4/8, MLP ratio 4, depth 2 each, LSA window 7, GSA sub-sampling 8/4)
@@ -50,8 +59,8 @@ class TwinsEncoder(nn.Module):
             num_classes=0,
         )
         self.svt.norm = nn.LayerNorm(TWINS_LARGE_FINAL_DIM, eps=1e-6)
-        if weights is not None:
-            self.load_imagenet(weights)
+        if twins_weights is not None:
+            self.load_imagenet(twins_weights)
 
     def load_imagenet(self, path: str | Path) -> None:
         """Load timm's ImageNet `twins_svt_large` weights from a local file, ignoring the stages not built."""
@@ -116,24 +125,31 @@ class ResidualBlock(nn.Module):
 
 
 class BasicEncoder(nn.Module):
-    """GMA/RAFT feature encoder with instance norm (FlowFormer-small's cnet/fnet, SPEC §2.1).
+    """GMA/RAFT feature encoder with instance norm (FlowFormer-small's cnet/fnet, official `basicencoder`).
 
-    conv7x7/2 (w0) -> 2 residual blocks (w0) -> 2 (w1, /2) -> 2 (w2, /2) -> conv1x1 (out_dim), with
-    widths (w0, w1, w2) = (64, 96, 128) in GMA: [B, 3, H, W] -> [B, out_dim, H/8, W/8].
+    conv7x7/2 (w0) -> 2 residual blocks (w0) -> 2 (w1, /2) -> 2 (w2, /2) -> conv1x1 (feature_dim), with
+    cnn_widths (w0, w1, w2) = (64, 96, 128) in GMA: [B, 3, H, W] -> [B, feature_dim, H/8, W/8].
+
+    Images need sides of at least 16 pixels: the cost-window sampler normalises coordinates by (side/8 - 1)
+    (align_corners), so a 1/8-resolution side of 1 gives NaN flow.
     """
 
-    def __init__(self, *, out_dim: int = 256, widths: Sequence[int] = (64, 96, 128)) -> None:
+    kind = "cnn"
+    min_image_side = 16
+
+    def __init__(self, *, feature_dim: int, cnn_widths: Sequence[int]) -> None:
         super().__init__()
-        if len(widths) != 3:
-            raise ValueError(f"backbone.cnn_widths must list 3 stage widths, got {list(widths)}")
-        w0, w1, w2 = widths
+        if len(cnn_widths) != 3:
+            raise ValueError(f"backbone.cnn_widths must list 3 stage widths, got {list(cnn_widths)}")
+        self.feature_dim = feature_dim
+        w0, w1, w2 = cnn_widths
         self.conv1 = nn.Conv2d(3, w0, kernel_size=7, stride=2, padding=3)
         self.norm1 = nn.InstanceNorm2d(w0)
         self.relu1 = nn.ReLU()
         self.layer1 = self._stage(w0, w0, stride=1)
         self.layer2 = self._stage(w0, w1, stride=2)
         self.layer3 = self._stage(w1, w2, stride=2)
-        self.conv2 = nn.Conv2d(w2, out_dim, kernel_size=1)
+        self.conv2 = nn.Conv2d(w2, feature_dim, kernel_size=1)
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")

@@ -1,159 +1,98 @@
-"""FlowFormer / FlowFormer++ as one configurable backbone with separately callable stages.
+"""FlowFormer / FlowFormer++ assembled from its parts, with separately callable stages.
+
+Parts: a feature encoder and a context encoder (images -> 1/8-resolution features), an optional bias-free 1x1
+`channel_convertor` on the features (FlowFormer has it), a cost encoder (`CostEncoder`: cost maps -> cost memory)
+and the decoder (`MemoryDecoder`). flowformer/models/build.py builds them from the backbone knobs
+(`build_flowformer`, conf/backbone/*.yaml) and names the published variants.
 
 Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode`. With
 `memory_budget_gb`, `forward` bounds the terms that grow with (H/8·W/8)² (flowformer/models/memory_plan.py): the
-cost volume is then a FeatureCostVolume, computed in blocks. Children carry the
-official names (`memory_encoder`, `memory_decoder`, `context_encoder`), so `state_dict()` keys equal the official
-checkpoint keys without the `module.` prefix (SPEC §3).
+cost volume is then a FeatureCostVolume, computed in blocks. Children carry the official names
+(`memory_encoder`, `memory_decoder`, `context_encoder`), so `state_dict()` keys equal the official checkpoint keys
+without the `module.` prefix that the released files carry (they were saved from `nn.DataParallel`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from flowformer.models.cost_encoder import CostPerceiverEncoder
+from flowformer.models.cost_encoder import CostEncoder
 from flowformer.models.cost_volume import CostVolume, FeatureCostVolume, dense_cost_maps
 from flowformer.models.decoder import MemoryDecoder
-from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
 from flowformer.models.token_mask import TokenMask
 
-VARIANTS = ("flowformer", "flowformer_pp")
-IMAGE_ENCODERS = ("twins", "cnn")
-
 
 class MemoryEncoder(nn.Module):
-    """Holds the feature encoder, FlowFormer's bias-free `channel_convertor` and the cost encoder."""
+    """Holds the feature encoder, the optional `channel_convertor` and the cost encoder under their official
+    names (`memory_encoder.feat_encoder.`, `.channel_convertor.`, `.cost_perceiver_encoder.`)."""
 
     def __init__(
-        self, *, feat_encoder: nn.Module, feature_dim: int, convertor: bool, cost_encoder: nn.Module
+        self, *, feat_encoder: nn.Module, channel_convertor: nn.Module | None, cost_encoder: CostEncoder
     ) -> None:
         super().__init__()
         self.feat_encoder = feat_encoder
-        if convertor:
-            self.channel_convertor = nn.Conv2d(feature_dim, feature_dim, 1, bias=False)
+        if channel_convertor is not None:
+            self.channel_convertor = channel_convertor
         self.cost_perceiver_encoder = cost_encoder
 
 
 class FlowFormer(nn.Module):
-    """The FlowFormer (`variant="flowformer"`, official LatentCostFormer) or FlowFormer++ (`"flowformer_pp"`,
-    official PerCostFormer3 incl. its `pretrain_head`) network.
+    """The FlowFormer network from its parts (build one with flowformer/models/build.py).
 
-    Input images are float [B, 3, H, W] in 0..255, H and W multiples of 8 and at least `MIN_IMAGE_SIDE` (32 with
-    the twins image encoder, 16 with the cnn one); they are mapped to [-1, 1] inside (`2·I/255 - 1`, SPEC §1.1),
-    the one place where normalisation happens.
+    feature_encoder, context_encoder: images [B, 3, H, W] in [-1, 1] -> [B, C, H/8, W/8], with the attributes
+        `kind` and `min_image_side` (flowformer/models/encoders.py).
+    cost_encoder: a `CostEncoder`; channel_convertor: a module applied to both images' features, or None.
+    decoder: a `MemoryDecoder` reading cost memory of width `cost_encoder.latent_dim`.
+    memory_budget_gb: bound the memory `forward` spends on the (H/8·W/8)² terms (None: the dense computation).
+    config: the builder knobs that rebuild this network, stored with checkpoints (`build_flowformer` sets it).
+
+    Input images are float [B, 3, H, W] in 0..255, H and W multiples of 8 and at least the image encoders'
+    `min_image_side`; they are mapped to [-1, 1] inside (`2·I/255 - 1`, the official normalisation, no ImageNet
+    mean/std), the one place where normalisation happens.
     """
 
     def __init__(
         self,
         *,
-        variant: str = "flowformer",
-        image_encoder: str = "twins",
-        twins_weights: str | None = None,
-        feature_dim: int = 256,
-        cnn_widths: Sequence[int] = (64, 96, 128),
-        cost_patch_dim: int = 64,
-        num_latent_tokens: int = 8,
-        latent_dim: int = 128,
-        agt_depth: int = 3,
-        query_dim: int = 64,
-        cost_heads: int = 1,
-        context_proj_dim: int = 64,
-        decoder_query: str = "crop_and_pe",
-        recon_size: int = 15,
-        recon_head_depth: int = 3,
-        tokenize_chunk: int | None = None,
-        tokenize_checkpoint: bool = False,
+        feature_encoder: nn.Module,
+        context_encoder: nn.Module,
+        cost_encoder: CostEncoder,
+        decoder: MemoryDecoder,
+        channel_convertor: nn.Module | None = None,
         memory_budget_gb: float | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"backbone.variant must be one of {VARIANTS}, got {variant!r}")
-        if image_encoder not in IMAGE_ENCODERS:
-            raise ValueError(f"backbone.image_encoder must be one of {IMAGE_ENCODERS}, got {image_encoder!r}")
-        if image_encoder == "twins" and feature_dim != TWINS_DIM:
-            raise ValueError(
-                f"backbone.feature_dim must be {TWINS_DIM} with the twins image encoder, got {feature_dim}"
-            )
-        if image_encoder == "cnn" and twins_weights is not None:
-            raise ValueError(
-                "backbone.twins_weights is set but backbone.image_encoder is 'cnn'; set it to null"
-            )
         if memory_budget_gb is not None and memory_budget_gb <= 0:
             raise ValueError(
                 f"backbone.memory_budget_gb must be > 0 (or null for the dense computation), got {memory_budget_gb}"
             )
-        if feature_dim % cost_heads != 0:
-            raise ValueError(
-                f"backbone.feature_dim ({feature_dim}) must be divisible by cost_heads ({cost_heads})"
-            )
-        # plain-value constructor arguments, stored with checkpoints (weights travel in the state dict, so the
-        # ImageNet file is not needed to rebuild)
-        self.config = {
-            "variant": variant,
-            "image_encoder": image_encoder,
-            "twins_weights": None,
-            "feature_dim": feature_dim,
-            "cnn_widths": list(cnn_widths),
-            "cost_patch_dim": cost_patch_dim,
-            "num_latent_tokens": num_latent_tokens,
-            "latent_dim": latent_dim,
-            "agt_depth": agt_depth,
-            "query_dim": query_dim,
-            "cost_heads": cost_heads,
-            "context_proj_dim": context_proj_dim,
-            "decoder_query": decoder_query,
-            "recon_size": recon_size,
-            "recon_head_depth": recon_head_depth,
-            "tokenize_chunk": tokenize_chunk,
-            "tokenize_checkpoint": tokenize_checkpoint,
-            "memory_budget_gb": memory_budget_gb,
-        }
-        self.variant = variant
-        self.cost_heads = cost_heads
         self.memory_budget_gb = memory_budget_gb
-        is_pp = variant == "flowformer_pp"
-
-        def image_net() -> nn.Module:
-            if image_encoder == "twins":
-                return TwinsEncoder(weights=twins_weights)
-            return BasicEncoder(out_dim=feature_dim, widths=cnn_widths)
-
-        cost_encoder = CostPerceiverEncoder(
-            cost_heads=cost_heads,
-            patch_dim=cost_patch_dim,
-            patch_pe_dim=64 if is_pp else cost_patch_dim,  # FF++ fixes the patch PE at 64 (SPEC §4)
-            num_latent_tokens=num_latent_tokens,
-            latent_dim=latent_dim,
-            depth=agt_depth,
-            context_dim=feature_dim,
-            context_proj_dim=context_proj_dim,
-            gsa_key_pe=not is_pp or context_proj_dim > 0,
-            tokenize_chunk=tokenize_chunk,
-            tokenize_checkpoint=tokenize_checkpoint,
-        )
+        self.config = None if config is None else dict(config)
         self.memory_encoder = MemoryEncoder(
-            feat_encoder=image_net(), feature_dim=feature_dim, convertor=not is_pp, cost_encoder=cost_encoder
+            feat_encoder=feature_encoder, channel_convertor=channel_convertor, cost_encoder=cost_encoder
         )
-        self.memory_decoder = MemoryDecoder(
-            context_dim=feature_dim,
-            memory_dim=latent_dim,
-            query_dim=query_dim,
-            cost_heads=cost_heads,
-            concat_shortcut=not is_pp,
-            query_source=decoder_query,
-            recon_size=recon_size if is_pp else None,
-            recon_head_depth=recon_head_depth,
-        )
-        self.context_encoder = image_net()
+        self.memory_decoder = decoder
+        self.context_encoder = context_encoder
+
+    @property
+    def variant(self) -> str | None:
+        """The published variant this network was built as (None for one assembled by hand)."""
+        return None if self.config is None else self.config["variant"]
+
+    @property
+    def cost_encoder(self) -> CostEncoder:
+        return self.memory_encoder.cost_perceiver_encoder
 
     # ---- stages ---------------------------------------------------------------------------------------------
     def encode_images(self, image1: Tensor, image2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """images [B, 3, H, W] in 0..255 -> (feat1, feat2 [B, C, H/8, W/8], context [B, C, H/8, W/8])."""
-        _check_images(image1, image2, self.config["image_encoder"])
+        _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
         context = self.context_encoder(image1)
@@ -164,21 +103,20 @@ class FlowFormer(nn.Module):
         return feat1, feat2, context
 
     def cost_volume(self, feat1: Tensor, feat2: Tensor) -> Tensor:
-        """All-pairs dot products, unscaled, in fp32 (SPEC §1.4): -> cost_maps [B*H1*W1, heads, H1, W1]."""
-        return dense_cost_maps(feat1, feat2, self.cost_heads)
+        """All-pairs dot products, unscaled (no 1/sqrt(C), as the official `corr`), in fp32:
+        -> cost_maps [B*H1*W1, heads, H1, W1]."""
+        return dense_cost_maps(feat1, feat2, self.cost_encoder.cost_heads)
 
     def memory_plan(self, feat1: Tensor) -> MemoryPlan:
         """How `forward` bounds its memory for features feat1 [B, C, H1, W1] within `memory_budget_gb`."""
         batch, _, h1, w1 = feat1.shape
-        patch_embed = self.memory_encoder.cost_perceiver_encoder.patch_embed
         return plan_memory(
             self.memory_budget_gb,
             batch=batch,
             h1=h1,
             w1=w1,
-            heads=self.cost_heads,
-            patch_dim=self.config["cost_patch_dim"],
-            pe_dim=patch_embed.pe_dim,
+            heads=self.cost_encoder.cost_heads,
+            cost_map_bytes=self.cost_encoder.cost_map_bytes(h1, w1),
         )
 
     def correlation(self, feat1: Tensor, feat2: Tensor, plan: MemoryPlan) -> Tensor | CostVolume:
@@ -186,14 +124,19 @@ class FlowFormer(nn.Module):
         `plan.cost_rows` cost maps when they are needed."""
         if plan.cost_rows is None:
             return self.cost_volume(feat1, feat2)
-        return FeatureCostVolume(feat1, feat2, self.cost_heads, plan.cost_rows)
+        return FeatureCostVolume(feat1, feat2, self.cost_encoder.cost_heads, plan.cost_rows)
 
     def encode_cost(
         self, cost: Tensor | CostVolume, context: Tensor, token_mask: TokenMask | None = None
     ) -> Tensor:
         """cost maps [B*H1*W1, heads, H1, W1] (or a CostVolume), context [B, C, H1, W1] -> cost memory
-        [B*H1*W1, K, D]."""
-        return self.memory_encoder.cost_perceiver_encoder(cost, context, token_mask)
+        [B*H1*W1, K, D]; token_mask (MCVA) hides cost-map patches from the cost encoder."""
+        if token_mask is not None and not self.cost_encoder.supports_token_mask:
+            raise ValueError(
+                f"the cost encoder {type(self.cost_encoder).__name__} cannot hide cost-map patches, so MCVA "
+                "cannot pretrain it; pick a cost encoder with supports_token_mask (backbone.cost_encoder)"
+            )
+        return self.cost_encoder(cost, context, token_mask)
 
     def query_cost_memory(
         self,
@@ -272,22 +215,17 @@ class FlowFormer(nn.Module):
         return out
 
 
-# Smallest image side each image encoder accepts. The cost-window sampler normalises coordinates by (side/8 - 1)
-# (align_corners), so a 1/8-resolution side of 1 gives NaN flow: 16 pixels. Twins' stage-0 sub-sampled attention
-# runs an 8x8-kernel conv on the 1/4-resolution tokens (stage 1 a 4x4 one on the 1/8-resolution ones): 32 pixels.
-MIN_IMAGE_SIDE = {"twins": 32, "cnn": 16}
-
-
-def _check_images(image1: Tensor, image2: Tensor, image_encoder: str) -> None:
+def _check_images(image1: Tensor, image2: Tensor, *encoders: nn.Module) -> None:
     if image1.shape != image2.shape or image1.dim() != 4 or image1.shape[1] != 3:
         raise ValueError(
             f"images must both be [B, 3, H, W]; got {tuple(image1.shape)} and {tuple(image2.shape)}"
         )
     height, width = image1.shape[-2:]
-    side = MIN_IMAGE_SIDE[image_encoder]
+    strictest = max(encoders, key=lambda encoder: encoder.min_image_side)
+    side = strictest.min_image_side
     if min(height, width) < side:
         raise ValueError(
-            f"FlowFormer with the {image_encoder} image encoder needs images of at least {side}x{side} pixels, "
+            f"FlowFormer with the {strictest.kind} image encoder needs images of at least {side}x{side} pixels, "
             f"got {height}x{width}; pad or upscale the images"
         )
     if height % 8 or width % 8:

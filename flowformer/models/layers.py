@@ -1,5 +1,5 @@
 """Small pure helpers shared by the cost encoder and the decoder: coordinates, positional code, sampling,
-attention arithmetic and convex upsampling (SPEC §1.6, §1.9)."""
+attention arithmetic and convex upsampling, with the official constants and orders."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ def coords_grid(batch: int, height: int, width: int, device: torch.device | None
 def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
     """Sine code of (x, y) points: xy [..., 2] -> [..., dim] = [sin ωx, cos ωx, sin ωy, cos ωy].
 
-    ω_k = 3.14 · k / 200 for k = 0..dim/4-1: the literal 3.14 and the /200 factor are the official constants
-    (SPEC §1.6, §9.1.7). The multiplication order mirrors the official code so fp32 rounding matches.
+    ω_k = 3.14 · k / 200 for k = 0..dim/4-1: the literal 3.14 (not π) and the /200 factor are the official
+    constants (`LinearPositionEmbeddingSine`, LatentCostFormer/attention.py). The multiplication order mirrors
+    the official code so fp32 rounding matches.
     """
     if dim % 4 != 0:
         raise ValueError(f"positional-code dim must be a multiple of 4, got {dim}")
@@ -47,7 +48,8 @@ GRID_SAMPLE_MAX_BATCH = 32768
 def bilinear_sample(maps: Tensor, coords: Tensor) -> Tensor:
     """maps [N, C, H, W], coords [N, h, w, 2] (x, y) pixels -> [N, C, h, w].
 
-    `grid_sample` with align_corners=True and zero padding, coordinates normalised as 2x/(W-1) - 1 (SPEC §10.3),
+    `grid_sample` with align_corners=True and zero padding, coordinates normalised as 2x/(W-1) - 1 (the official
+    `bilinear_sampler`),
     over at most GRID_SAMPLE_MAX_BATCH maps per call.
     """
     height, width = maps.shape[-2:]
@@ -72,7 +74,9 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor
     """Bilinear (2r+1)^2 crop of each source pixel's cost map around its target position.
 
     cost_maps [B*H1*W1, heads, H2, W2], coords [B, 2, H1, W1] (x, y) -> [B, heads*(2r+1)^2, H1, W1].
-    Channel order is the official x-major one: channel = head·(2r+1)² + (dx+r)·(2r+1) + (dy+r) (SPEC §9.1.2).
+    Channel order is the official x-major one: channel = head·(2r+1)² + (dx+r)·(2r+1) + (dy+r) (the official
+    `encode_flow_token` stacks meshgrid(dy, dx) and reads it as (x, y); the loaded `flow_token_encoder` weights
+    depend on this order).
     """
     batch, _, h1, w1 = coords.shape
     if cost_maps.shape[0] != batch * h1 * w1:
@@ -132,5 +136,6 @@ class Mlp(nn.Module):
 
 
 def feed_forward(dim: int) -> nn.Sequential:
-    """Linear -> GELU -> Linear at width 1x (SPEC §1.7). Identity slots keep the official indices ffn.0/ffn.3."""
+    """Linear -> GELU -> Linear at width 1x (the official FFN of the latent, intra and decoder attention layers, not
+    4x). Identity slots stand for the official Dropouts, keeping the key indices ffn.0/ffn.3."""
     return nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Identity(), nn.Linear(dim, dim), nn.Identity())

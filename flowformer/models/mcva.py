@@ -1,7 +1,10 @@
-"""Masked Cost Volume Autoencoding (MCVA, FlowFormer++): masks, query rounds, targets and the loss (SPEC §5).
+"""Masked Cost Volume Autoencoding (MCVA, FlowFormer++): masks, query rounds, targets and the loss, as the official
+FlowFormer++ pretraining does it (`generate_mask.py`, `PerCostFormer3/encoder.py` `random_masking`,
+`PerCostFormer3/decoder.py` `pretrain_forward`).
 
 Everything here is a pure function of tensors and of a `FlowFormer` built with `variant="flowformer_pp"`; the
-Lightning side (optimiser, logging, random draws) lives in `flowformer.lit.mcva`.
+Lightning side (optimiser, logging, random draws) lives in `flowformer.lit.mcva`. The objective's knobs have no
+defaults here: conf/model/mcva.yaml holds them (the official values).
 
 Random draws are explicit inputs so that a step can be replayed: the mask noise [B, H1, W1, L] (L cost-map
 patch tokens per source pixel) and, per query round, a uniform draw [B, 2, H1, W1] for the query locations.
@@ -15,26 +18,28 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from flowformer.models import sample_cost_window
+from flowformer.models.cost_encoder import PATCH
+from flowformer.models.layers import sample_cost_window
 from flowformer.models.token_mask import TokenMask
 
 MaskingStrategy = Literal["block", "random"]
 ReconLocation = Literal["random", "fixed"]
 NormalizedSide = Literal["target", "prediction"]
 
-COST_PATCH_SIZE = 8  # cost maps are zero-padded to multiples of 8 and patchified into 8x8 tokens (SPEC §1.5)
-TARGET_NORM_EPS = 1e-6  # (x - mean) / sqrt(var_unbiased + 1e-6) over the window values (SPEC §5.5 step 6)
+TARGET_NORM_EPS = 1e-6  # (x - mean) / sqrt(var_unbiased + 1e-6) over the window values, the official constant
 
 
 def cost_token_grid(h1: int, w1: int) -> tuple[int, int]:
-    """Patch-token grid (H3, W3) of one H1 x W1 cost map: ceil(H1/8) x ceil(W1/8); 46x62 -> 6x8 (SPEC §1.5)."""
-    return -(-h1 // COST_PATCH_SIZE), -(-w1 // COST_PATCH_SIZE)
+    """Patch-token grid (H3, W3) of one H1 x W1 cost map, which the cost encoder zero-pads to multiples of 8 and
+    patchifies into 8x8 tokens: ceil(H1/8) x ceil(W1/8); 46x62 -> 6x8."""
+    return -(-h1 // PATCH), -(-w1 // PATCH)
 
 
 def expand_block_noise(
     low: Tensor, *, block_hw: tuple[int, int], offset_hw: tuple[int, int], out_hw: tuple[int, int]
 ) -> Tensor:
-    """Repeat one noise vector per block over its gh x gw source pixels, then crop at the offset (SPEC §5.2).
+    """Repeat one noise vector per block over its gh x gw source pixels, then crop at the offset (official
+    `generate_mask.py`).
 
     low [H1//gh + 2, W1//gw + 2, L] -> noise [H1, W1, L] with
     noise[y, x] = low[(y + start_h) // gh, (x + start_w) // gw].
@@ -55,14 +60,15 @@ def block_sharing_noise(
     w1: int,
     num_tokens: int,
     *,
-    min_block: int = 4,
-    max_block: int = 15,
+    min_block: int,
+    max_block: int,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Block-sharing mask noise, drawn on the fly as `generate_mask.py` does offline (SPEC §5.2).
+    """Block-sharing mask noise, drawn on the fly as the official `generate_mask.py` draws it offline (100,000
+    files there).
 
-    Per sample: block size gh, gw ~ U{min_block..max_block} (1/8-res source pixels, 4..15 = 32..120 image
-    pixels), one U[0,1) vector of `num_tokens` values per block, and a random offset start ~
+    Per sample: block size gh, gw ~ U{min_block..max_block} (1/8-res source pixels; the official 4..15 are
+    32..120 image pixels), one U[0,1) vector of `num_tokens` values per block, and a random offset start ~
     U{0..(H1//gh + 2)*gh - H1 - 1} so that block borders do not align with the image origin.
 
     Returns (noise [B, H1, W1, L] float32 on CPU, params [B, 4] int64 = (gh, gw, start_h, start_w)).
@@ -90,22 +96,22 @@ class CostMaskGenerator:
     """Which cost-map patches the cost encoder sees: `block` (source pixels of a block share one mask) or
     `random` (independent per source pixel), with exactly int(L * (1 - mask_ratio)) visible patches per pixel."""
 
-    strategy: MaskingStrategy = "block"
-    mask_ratio: float = 0.5
-    min_block: int = 4
-    max_block: int = 15
+    masking: MaskingStrategy
+    mask_ratio: float
+    min_block: int
+    max_block: int
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("block", "random"):
-            raise ValueError(f"masking={self.strategy!r}: expected 'block' or 'random'.")
+        if self.masking not in ("block", "random"):
+            raise ValueError(f"model.masking={self.masking!r}: expected 'block' or 'random'.")
         if not 0.0 <= self.mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio={self.mask_ratio}: expected a value in [0, 1).")
+            raise ValueError(f"model.mask_ratio={self.mask_ratio}: expected a value in [0, 1).")
 
     def noise(self, batch: int, h1: int, w1: int, *, generator: torch.Generator | None = None) -> Tensor:
         """-> noise [B, H1, W1, L] (CPU float32), L = H3*W3 cost-map tokens per source pixel."""
         h3, w3 = cost_token_grid(h1, w1)
         num_tokens = h3 * w3
-        if self.strategy == "random":
+        if self.masking == "random":
             return torch.rand(batch, h1, w1, num_tokens, generator=generator)
         noise, _ = block_sharing_noise(
             batch, h1, w1, num_tokens, min_block=self.min_block, max_block=self.max_block, generator=generator
@@ -124,6 +130,25 @@ class CostMaskGenerator:
         return TokenMask.from_noise(noise.reshape(-1, noise.shape[-1]), self.mask_ratio)
 
 
+@dataclass(frozen=True)
+class ReconstructionObjective:
+    """How MCVA queries the cost memory and scores its reconstructions: `query_num` rounds per step at
+    `recon_location` "random" (the method) or "fixed" (MAE-style: each source pixel's own position), the loss on
+    the `normalize`d side, "target" (the official code) or "prediction" (the paper's equation)."""
+
+    recon_location: ReconLocation
+    query_num: int
+    normalize: NormalizedSide
+
+    def __post_init__(self) -> None:
+        if self.query_num < 1:
+            raise ValueError(f"model.query_num={self.query_num}: expected at least one query round per step.")
+        if self.normalize not in ("target", "prediction"):
+            raise ValueError(f"model.normalize={self.normalize!r}: expected 'target' or 'prediction'.")
+        if self.recon_location not in ("random", "fixed"):
+            raise ValueError(f"model.recon_location={self.recon_location!r}: expected 'random' or 'fixed'.")
+
+
 def recon_locations(
     uniform: Tensor | None,
     *,
@@ -134,7 +159,7 @@ def recon_locations(
 ) -> Tensor:
     """Where each source pixel's cost map is queried and reconstructed, in 1/8-res target-map pixels.
 
-    random (SPEC §5.5 step 1, no_border=True): uniform [B, 2, H1, W1] (channel 0 = x, 1 = y) ->
+    random (the official `no_border=True` draw): uniform [B, 2, H1, W1] (channel 0 = x, 1 = y) ->
         x = u_x * (W1 - S) + S // 2, y = u_y * (H1 - S) + S // 2, so the S x S window lies inside the map
         (maps smaller than S, e.g. tiny test images, get windows that reach into the zero padding).
     fixed (the paper's MAE-style ablation row): every source pixel at its own position (x1, y1), the zero-flow
@@ -162,18 +187,19 @@ def recon_locations(
 
 
 def normalize_per_pixel(values: Tensor, eps: float = TARGET_NORM_EPS) -> Tensor:
-    """[B, C, H, W] -> per pixel (x - mean_C) / sqrt(var_C + eps), var unbiased (divides by C-1; SPEC §5.5)."""
+    """[B, C, H, W] -> per pixel (x - mean_C) / sqrt(var_C + eps), var unbiased (divides by C-1, torch.var's
+    default, as the official code)."""
     mean = values.mean(dim=1, keepdim=True)
     var = values.var(dim=1, keepdim=True)
     return (values - mean) / (var + eps) ** 0.5
 
 
 def reconstruction_loss(
-    prediction: Tensor, target: Tensor, *, normalize: NormalizedSide = "target"
+    prediction: Tensor, target: Tensor, *, normalize: NormalizedSide
 ) -> Tensor:
     """MSE of one query round, averaged over B * S^2 * H1 * W1 (every source pixel counts, masked or not).
 
-    normalize="target": mean((pred - Normalize(q^L))^2), as the official code does (SPEC §5.5, §9.1.16).
+    normalize="target": mean((pred - Normalize(q^L))^2), as the official code does (docs/departures.md).
     normalize="prediction": mean((q^L - Normalize(pred))^2), the paper's equation taken literally; its minimum is
         the target's own per-pixel variance, so its values are not comparable with the code's loss.
     """
@@ -210,12 +236,11 @@ def mcva_forward(
     mask_noise: Tensor,
     query_uniform: Tensor | None,
     mask_generator: CostMaskGenerator,
-    recon_location: ReconLocation = "random",
-    query_num: int = 30,
-    normalize: NormalizedSide = "target",
+    objective: ReconstructionObjective,
     keep_rounds: int = 0,
 ) -> MCVAOutput:
-    """One MCVA objective evaluation (SPEC §5.3-5.5).
+    """One MCVA objective evaluation: the masked cost volume encoded into cost memory, then `query_num` rounds
+    of cost queries at new locations, each reconstructing the unmasked S x S cost window there.
 
     image1, image2 [B, 3, H, W] in 0..255; mask_noise [B, H1, W1, L]; query_uniform [R, B, 2, H1, W1] with
     R = query_num for recon_location="random", None for "fixed".
@@ -233,35 +258,35 @@ def mcva_forward(
             f"mask noise {tuple(mask_noise.shape)} does not match the 1/8-res cost volume: expected "
             f"[{batch}, {h1}, {w1}, L]"
         )
-    if recon_location == "random" and (query_uniform is None or query_uniform.shape[0] != query_num):
+    if objective.recon_location == "random" and (query_uniform is None or query_uniform.shape[0] != objective.query_num):
         got = None if query_uniform is None else tuple(query_uniform.shape)
-        raise ValueError(f"query_uniform must be [query_num={query_num}, B, 2, H1, W1], got {got}")
+        raise ValueError(f"query_uniform must be [query_num={objective.query_num}, B, 2, H1, W1], got {got}")
     token_mask = mask_generator.token_mask(mask_noise.to(cost_maps.device))
     cost_memory = net.encode_cost(cost_maps, context, token_mask=token_mask)  # [B*H1*W1, K, D]
 
-    memory_kv = net.cost_memory_kv(cost_memory)  # computed once, reused by every round (SPEC §5.5 step 4)
-    recon_size = net.config["recon_size"]
+    memory_kv = net.cost_memory_kv(cost_memory)  # computed once, reused by every round as the official code does
+    recon_size = net.pretrain_head.recon_size
     targets_raw_src = cost_maps.detach()
     total = torch.zeros((), device=cost_maps.device, dtype=torch.float32)
     round_losses, predictions, targets = [], [], []
-    for round_idx in range(query_num):
+    for round_idx in range(objective.query_num):
         uniform = None if query_uniform is None else query_uniform[round_idx].to(cost_maps.device)
         coords = recon_locations(
             uniform,
             shape=(batch, h1, w1),
             recon_size=recon_size,
-            location=recon_location,
+            location=objective.recon_location,
             device=cost_maps.device,
         )
         target = sample_cost_window(targets_raw_src, coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
         cost_global = net.query_cost_memory(cost_memory, cost_maps, coords, memory_kv)  # [B, Q, H1, W1]
         prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
-        round_loss = reconstruction_loss(prediction, target, normalize=normalize)
-        total = total + round_loss  # summed left to right from 0, as the official loop (SPEC §5.5)
+        round_loss = reconstruction_loss(prediction, target, normalize=objective.normalize)
+        total = total + round_loss  # summed (not averaged) left to right from 0, as the official loop
         round_losses.append(round_loss.detach())
         if round_idx < keep_rounds:
             predictions.append(prediction.detach())
-            targets.append((normalize_per_pixel(target) if normalize == "target" else target).detach())
+            targets.append((normalize_per_pixel(target) if objective.normalize == "target" else target).detach())
     return MCVAOutput(
         loss=total,
         round_losses=torch.stack(round_losses),

@@ -14,11 +14,9 @@ copy), not the allocator's overhead.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 FLOAT = 4  # bytes per fp32 value
-PATCH = 8  # cost-map patch size of the patch embedding
 SOFTMAX_COPIES = 2  # logits and their softmax exist together
 
 
@@ -34,21 +32,6 @@ class MemoryPlan:
         return self.cost_rows is None and self.gma_queries is None
 
 
-def patchify_bytes_per_row(h1: int, w1: int, heads: int, patch_dim: int, pe_dim: int) -> int:
-    """Activations of one cost map through the patch embedding: the padded map, three convolutions (with their
-    ReLU outputs) and the token FFN on the 1/8 grid."""
-    hp, wp = math.ceil(h1 / PATCH) * PATCH, math.ceil(w1 / PATCH) * PATCH
-    tokens = (hp // PATCH) * (wp // PATCH)
-    values = (
-        heads * hp * wp
-        + 2 * (patch_dim // 4) * (hp // 2) * (wp // 2)
-        + 2 * (patch_dim // 2) * (hp // 4) * (wp // 4)
-        + patch_dim * tokens
-        + 4 * (patch_dim + pe_dim) * tokens
-    )
-    return values * FLOAT
-
-
 def plan_memory(
     budget_gb: float | None,
     *,
@@ -56,21 +39,20 @@ def plan_memory(
     h1: int,
     w1: int,
     heads: int,
-    patch_dim: int,
-    pe_dim: int,
+    cost_map_bytes: int,
 ) -> MemoryPlan:
-    """The plan for one forward pass at 1/8-resolution size h1 x w1 (None budget: dense)."""
+    """The plan for one forward pass at 1/8-resolution size h1 x w1 (None budget: dense); cost_map_bytes: what
+    the cost encoder holds per cost map while encoding it (`CostEncoder.cost_map_bytes`)."""
     if budget_gb is None:
         return MemoryPlan()
     budget = budget_gb * 2**30
     n = h1 * w1
-    per_row = patchify_bytes_per_row(h1, w1, heads, patch_dim, pe_dim)
     per_gma_query = batch * n * FLOAT * SOFTMAX_COPIES
-    dense = batch * n * n * heads * FLOAT + batch * n * per_row + n * per_gma_query
+    dense = batch * n * n * heads * FLOAT + batch * n * cost_map_bytes + n * per_gma_query
     if dense <= budget:
         return MemoryPlan()
     share = budget / 4
     return MemoryPlan(
-        cost_rows=max(1, min(batch * n, int(share // per_row))),
+        cost_rows=max(1, min(batch * n, int(share // cost_map_bytes))),
         gma_queries=max(1, min(n, int(share // per_gma_query))),
     )

@@ -1,4 +1,4 @@
-"""Which cost-map patch tokens MCVA hides from the cost encoder (SPEC §5.2, §5.4)."""
+"""Which cost-map patch tokens MCVA hides from the cost encoder (FlowFormer++'s `random_masking`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class TokenMask:
 
     @classmethod
     def from_noise(cls, noise: Tensor, mask_ratio: float) -> TokenMask:
-        """noise [N, L] -> keep the int(L*(1-mask_ratio)) tokens with the smallest noise (SPEC §5.2)."""
+        """noise [N, L] -> keep the int(L*(1-mask_ratio)) tokens with the smallest noise, in ascending-noise order
+        (the official argsort of the noise)."""
         n_rows, n_tokens = noise.shape
         n_keep = int(n_tokens * (1 - mask_ratio))
         ids_shuffle = torch.argsort(noise, dim=1)

@@ -1,0 +1,216 @@
+"""Building FlowFormer from its knobs: the backbone config (`conf/backbone/*.yaml`, `_target_: build_flowformer`),
+what tells the two published variants apart, and one builder per published or test-sized network.
+
+    net = build_flowformer_pp()                       # FlowFormer++ as released
+    net = build_flowformer_small(cost_encoder="mixer")   # FlowFormer-small with the MLP-Mixer ablation
+    net = build_flowformer(**cfg.backbone)            # any knobs (Hydra: hydra.utils.instantiate(cfg.backbone))
+
+Each knob is defined once, with its default and its check, in `BackboneConfig`; the defaults are the paper's
+FlowFormer (conf/backbone/flowformer.yaml lists the same values so that the command line can override them).
+A knob keeps its name down to the module that uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from torch import nn
+
+from flowformer.models.cost_encoder import CostEncoder, CostPerceiverEncoder, MixerCostEncoder
+from flowformer.models.decoder import MemoryDecoder
+from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
+from flowformer.models.flowformer import FlowFormer
+
+# backbone.cost_encoder -> its class; a new cost encoder subclasses `CostEncoder` (or `CostPerceiverEncoder`, as
+# MixerCostEncoder does) and is added here.
+COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder, "mixer": MixerCostEncoder}
+IMAGE_ENCODERS = ("twins", "cnn")
+
+
+@dataclass(frozen=True)
+class VariantTraits:
+    """Where FlowFormer (official `LatentCostFormer`) and FlowFormer++ (official `PerCostFormer3`) differ."""
+
+    channel_convertor: bool  # a bias-free 1x1 conv on the features before the correlation (FF only)
+    patch_pe_dim: int | None  # sine-code width of the patch tokens; None = cost_patch_dim (FF), FF++ fixes 64
+    gsa_key_pe_without_context: bool  # the context-free GSA adds a sine code to its keys (FF only)
+    decoder_concat_shortcut: bool  # cost-query proj on cat[attn, query] 2Q -> Q (FF) or on attn Q -> Q (FF++)
+    reconstruction_head: bool  # the MCVA `pretrain_head` (FF++; kept, unused, in its finetuned checkpoints)
+
+
+VARIANTS = {
+    "flowformer": VariantTraits(
+        channel_convertor=True,
+        patch_pe_dim=None,
+        gsa_key_pe_without_context=True,
+        decoder_concat_shortcut=True,
+        reconstruction_head=False,
+    ),
+    "flowformer_pp": VariantTraits(
+        channel_convertor=False,
+        patch_pe_dim=64,
+        gsa_key_pe_without_context=False,
+        decoder_concat_shortcut=False,
+        reconstruction_head=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """The backbone knobs (plain values; stored with checkpoints to rebuild the network). Defaults: the paper's
+    FlowFormer, the official `configs/things.py`.
+
+    variant: "flowformer" | "flowformer_pp" (VARIANTS). image_encoder: "twins" (Twins-SVT-Large stages 0-1,
+    feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: a local timm ImageNet file.
+    cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
+    agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk / tokenize_checkpoint (memory options,
+    same numbers): its knobs. query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
+    recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth).
+    memory_budget_gb: bound the forward pass's memory (None: the dense, official computation).
+    """
+
+    variant: str = "flowformer"
+    image_encoder: str = "twins"
+    twins_weights: str | None = None
+    feature_dim: int = TWINS_DIM
+    cnn_widths: tuple[int, int, int] = (64, 96, 128)
+    cost_encoder: str = "agt"
+    cost_heads: int = 1
+    cost_patch_dim: int = 64
+    num_latent_tokens: int = 8
+    latent_dim: int = 128
+    agt_depth: int = 3
+    context_proj_dim: int = 64
+    query_dim: int = 64
+    decoder_query: str = "crop_and_pe"
+    recon_size: int = 15
+    recon_head_depth: int = 3
+    tokenize_chunk: int | None = 512
+    tokenize_checkpoint: bool = False
+    memory_budget_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
+        checks = [
+            (self.variant in VARIANTS, f"backbone.variant must be one of {tuple(VARIANTS)}, got {self.variant!r}"),
+            (
+                self.image_encoder in IMAGE_ENCODERS,
+                f"backbone.image_encoder must be one of {IMAGE_ENCODERS}, got {self.image_encoder!r}",
+            ),
+            (
+                self.cost_encoder in COST_ENCODERS,
+                f"backbone.cost_encoder must be one of {tuple(COST_ENCODERS)}, got {self.cost_encoder!r}",
+            ),
+            (
+                self.image_encoder != "twins" or self.feature_dim == TWINS_DIM,
+                f"backbone.feature_dim must be {TWINS_DIM} with the twins image encoder, got {self.feature_dim}",
+            ),
+            (
+                self.image_encoder != "cnn" or self.twins_weights is None,
+                "backbone.twins_weights is set but backbone.image_encoder is 'cnn'; set it to null",
+            ),
+            (
+                self.feature_dim % self.cost_heads == 0,
+                f"backbone.feature_dim ({self.feature_dim}) must be divisible by cost_heads ({self.cost_heads})",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def stored(self) -> dict:
+        """The knobs as stored with checkpoints: plain values, without `twins_weights` (the ImageNet weights
+        travel in the state dict, so rebuilding does not need the file)."""
+        return {**asdict(self), "cnn_widths": list(self.cnn_widths), "twins_weights": None}
+
+    def image_encoder_module(self) -> nn.Module:
+        if self.image_encoder == "twins":
+            return TwinsEncoder(twins_weights=self.twins_weights)
+        return BasicEncoder(feature_dim=self.feature_dim, cnn_widths=self.cnn_widths)
+
+    def cost_encoder_module(self) -> CostEncoder:
+        traits = VARIANTS[self.variant]
+        return COST_ENCODERS[self.cost_encoder](
+            cost_heads=self.cost_heads,
+            cost_patch_dim=self.cost_patch_dim,
+            patch_pe_dim=traits.patch_pe_dim or self.cost_patch_dim,
+            num_latent_tokens=self.num_latent_tokens,
+            latent_dim=self.latent_dim,
+            agt_depth=self.agt_depth,
+            context_dim=self.feature_dim,  # the context encoder's output width
+            context_proj_dim=self.context_proj_dim,
+            gsa_key_pe=traits.gsa_key_pe_without_context or self.context_proj_dim > 0,
+            tokenize_chunk=self.tokenize_chunk,
+            tokenize_checkpoint=self.tokenize_checkpoint,
+        )
+
+    def build(self) -> FlowFormer:
+        traits = VARIANTS[self.variant]
+        cost_encoder = self.cost_encoder_module()
+        decoder = MemoryDecoder(
+            context_dim=self.feature_dim,
+            memory_dim=cost_encoder.latent_dim,  # the decoder reads the cost memory at the encoder's width D
+            query_dim=self.query_dim,
+            cost_heads=self.cost_heads,
+            concat_shortcut=traits.decoder_concat_shortcut,
+            decoder_query=self.decoder_query,
+            recon_size=self.recon_size if traits.reconstruction_head else None,
+            recon_head_depth=self.recon_head_depth,
+        )
+        convertor = nn.Conv2d(self.feature_dim, self.feature_dim, 1, bias=False) if traits.channel_convertor else None
+        return FlowFormer(
+            feature_encoder=self.image_encoder_module(),
+            context_encoder=self.image_encoder_module(),
+            cost_encoder=cost_encoder,
+            decoder=decoder,
+            channel_convertor=convertor,
+            memory_budget_gb=self.memory_budget_gb,
+            config=self.stored(),
+        )
+
+
+def build_flowformer(**knobs) -> FlowFormer:
+    """FlowFormer from backbone knobs (`BackboneConfig`); with none, the paper's FlowFormer (the released
+    chairs/things/sintel/kitti .pth). The `_target_` of conf/backbone/*.yaml."""
+    return BackboneConfig(**knobs).build()
+
+
+# The published and test-sized networks, as knobs that differ from the defaults (conf/backbone/<name>.yaml
+# inherit the same way: flowformer_pp and small from flowformer, tiny from small).
+PRESETS: dict[str, BackboneConfig] = {"flowformer": BackboneConfig()}
+PRESETS["flowformer_pp"] = replace(PRESETS["flowformer"], variant="flowformer_pp")
+# the official configs/small_things_eval.py: GMA CNN encoders, K=4, D=32, one AGT layer, context-free AGT
+PRESETS["small"] = replace(
+    PRESETS["flowformer"],
+    image_encoder="cnn",
+    num_latent_tokens=4,
+    latent_dim=32,
+    agt_depth=1,
+    context_proj_dim=0,
+)
+# tests and CPU demos: a 64x96 pair runs forward+backward in well under a second on CPU
+PRESETS["tiny"] = replace(
+    PRESETS["small"],
+    variant="flowformer_pp",
+    feature_dim=64,
+    cnn_widths=(16, 24, 32),
+    cost_patch_dim=16,
+    context_proj_dim=16,
+    query_dim=32,
+)
+
+
+def build_flowformer_pp(**knobs) -> FlowFormer:
+    """FlowFormer++ as released, incl. its reconstruction head, with `knobs` changed."""
+    return replace(PRESETS["flowformer_pp"], **knobs).build()
+
+
+def build_flowformer_small(**knobs) -> FlowFormer:
+    """The paper's FlowFormer-small, with `knobs` changed."""
+    return replace(PRESETS["small"], **knobs).build()
+
+
+def build_flowformer_tiny(**knobs) -> FlowFormer:
+    """A FlowFormer++ small enough for CPU tests, with `knobs` changed."""
+    return replace(PRESETS["tiny"], **knobs).build()
