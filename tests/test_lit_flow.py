@@ -80,7 +80,7 @@ def test_fit_logs_named_val_metrics_panels_and_checkpoint_loads_weights_only(tmp
         assert key in metrics and torch.isfinite(metrics[key]), key
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 2
-    assert checkpoint["hyper_parameters"]["backbone"]["_target_"] == "flowformer.models.FlowFormer"
+    assert checkpoint["hyper_parameters"]["backbone"]["_target_"] == "flowformer.models.build_flowformer"
     assert all(key.startswith(LIGHTNING_PREFIX) for key in checkpoint["state_dict"])  # what init_from reads
     # OneCycle length is trainer.max_steps + 100 (SPEC §6.2)
     assert checkpoint["lr_schedulers"][0]["total_steps"] == 102

@@ -22,6 +22,7 @@ from flowformer.models import (
 from flowformer.models.checkpoint import (
     CheckpointMismatchError,
     CheckpointReadError,
+    current_backbone_config,
     load_backbone,
     read_checkpoint,
 )
@@ -56,7 +57,7 @@ def test_state_dict_equals_official_key_list(variant: str, key_list: str, n_para
     net = meta_net(variant=variant)
     ours = [(k, tuple(v.shape)) for k, v in net.state_dict().items()]
     assert ours == read_key_list(key_list)
-    assert sum(p.numel() for p in net.parameters()) == n_params  # SPEC §1.10 (rel_ind is a buffer)
+    assert sum(p.numel() for p in net.parameters()) == n_params  # the official models' counts (rel_ind is a buffer)
 
 
 @pytest.mark.parametrize("name", ["flowformer", "flowformer_pp", "small", "tiny"])
@@ -165,15 +166,27 @@ def test_save_backbone_is_plain_and_rebuilds(tmp_path: Path) -> None:
     assert load_backbone_weights(other, tmp_path / "b.ckpt").source == "backbone"
 
 
-def test_backbone_file_with_the_retired_decoder_iters_still_loads(tmp_path: Path) -> None:
+def old_backbone_config(config: dict) -> dict:
+    """A stored backbone config as versions before the composable network wrote it: with the retired
+    decoder_iters, without the cost_encoder knob (there was one cost encoder)."""
+    return {**{k: v for k, v in config.items() if k != "cost_encoder"}, "decoder_iters": 12}
+
+
+def test_backbone_file_written_by_older_versions_still_loads(tmp_path: Path) -> None:
     net = build_backbone()
     save_backbone(tmp_path / "b.ckpt", net)
     obj = torch.load(tmp_path / "b.ckpt", weights_only=True)
-    old_config = {**obj["config"], "decoder_iters": 12}  # as files saved before the knob was removed hold it
-    torch.save({**obj, "config": old_config}, tmp_path / "old.ckpt")
+    torch.save({**obj, "config": old_backbone_config(obj["config"])}, tmp_path / "old.ckpt")
     rebuilt = load_backbone(tmp_path / "old.ckpt")
     assert rebuilt.config == net.config
     assert all(torch.equal(v, rebuilt.state_dict()[k]) for k, v in net.state_dict().items())
+
+
+def test_lightning_backbone_hyperparameters_of_older_versions_still_build() -> None:
+    """Lightning checkpoints store the backbone's Hydra config; older ones name FlowFormer itself as `_target_`."""
+    old = {"_target_": "flowformer.models.FlowFormer", **old_backbone_config(backbone_kwargs())}
+    net = instantiate(current_backbone_config(old))
+    assert isinstance(net, FlowFormer) and net.config == build_backbone().config
 
 
 def test_convert_cli_both_directions(tmp_path: Path) -> None:

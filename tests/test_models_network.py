@@ -70,7 +70,8 @@ def test_stages_compose_to_forward(tiny: FlowFormer) -> None:
 
 
 def test_batch_of_two_equals_two_batches_of_one() -> None:
-    """SPEC §9.1.1: the official FlowFormer pairs the wrong context with the cost tokens when B > 1."""
+    """The official FlowFormer pairs image r mod B's context with cost-token row r when B > 1 (its
+    `context.repeat`); ours pairs each image with its own (docs/departures.md)."""
     net = build(variant="flowformer").eval()
     a1, a2 = images(seed=1)
     b1, b2 = images(seed=2)
@@ -127,7 +128,7 @@ def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
 
 
 def test_sample_cost_window_is_x_major() -> None:
-    """SPEC §9.1.2: channel (dx+r)*(2r+1) + (dy+r); integer centres sample the map exactly."""
+    """The official x-major order, channel (dx+r)*(2r+1) + (dy+r); integer centres sample the map exactly."""
     h1, w1 = 5, 6
     maps = torch.arange(h1 * w1 * h1 * w1, dtype=torch.float32).view(h1 * w1, 1, h1, w1)
     coords = torch.zeros(1, 2, h1, w1)

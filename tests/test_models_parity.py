@@ -91,7 +91,8 @@ def test_bounded_memory_path_matches_official_and_dense(run_a: dict, expected: d
 
 @pytest.mark.skipif(not FIXTURE_C.is_dir(), reason=f"fixture C not found at {FIXTURE_C}")
 def test_flowformer_pp_loads_strictly_and_matches_masked_stages() -> None:
-    """Fixture C: strict load, masked cost encoding (SPEC §5.4) and one reconstruction round (SPEC §5.5)."""
+    """Fixture C: strict load, masked cost encoding (masked convolutions, kept tokens gathered) and one
+    reconstruction round."""
     from flowformer.models import TokenMask
 
     torch.set_num_threads(2)

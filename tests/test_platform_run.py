@@ -20,7 +20,7 @@ def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
     # the run record: resolved config, git SHA and package versions
     info = json.loads((first / "run_info.json").read_text())
     assert len(info["git"]["sha"]) == 40 and torch.__version__.startswith(info["packages"]["torch"])
-    assert "_target_: flowformer.models.FlowFormer" in (first / "config_resolved.yaml").read_text()
+    assert "_target_: flowformer.models.build_flowformer" in (first / "config_resolved.yaml").read_text()
     assert (first / "csv" / "metrics.csv").is_file()
 
     # last + best checkpoints; plain hyperparameters, so weights_only loading works
