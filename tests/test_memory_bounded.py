@@ -54,7 +54,8 @@ def test_fused_attention_equals_the_written_out_product():
 
 
 def test_plan_is_dense_when_it_fits_and_bounded_when_not():
-    sizes = {"heads": 1, "cost_map_bytes": PatchEmbed(in_chans=1, dim=64, pe_dim=64).activation_bytes(135, 240)}
+    patch_embed = PatchEmbed(cost_heads=1, cost_patch_dim=64, patch_pe_dim=64)
+    sizes = {"heads": 1, "cost_map_bytes": patch_embed.activation_bytes(135, 240)}
     assert plan_memory(None, batch=1, h1=135, w1=240, **sizes).dense
     assert plan_memory(64.0, batch=1, h1=46, w1=62, **sizes).dense  # 368x496 fits 64 GB
     plan = plan_memory(4.0, batch=1, h1=135, w1=240, **sizes)  # 1080p in 4 GB

@@ -35,7 +35,8 @@ FLOAT_BYTES = 4
 
 
 class PatchEmbed(nn.Module):
-    """Cost maps [N, heads, H2, W2] -> patch tokens [N, H3*W3, dim + pe_dim] (official `PatchEmbed`).
+    """Cost maps [N, cost_heads, H2, W2] -> patch tokens [N, H3*W3, cost_patch_dim + patch_pe_dim] (official
+    `PatchEmbed`).
 
     Zero-pad to multiples of 8, three k6/s2/p2 convs with ReLU only between them (none after the last, unlike
     the paper's figure), concatenate the sine code of the patch centres (8j+4, 8i+4), 1x1 conv FFN, LayerNorm.
@@ -43,19 +44,20 @@ class PatchEmbed(nn.Module):
     at its own resolution.
     """
 
-    def __init__(self, *, in_chans: int, dim: int, pe_dim: int) -> None:
+    def __init__(self, *, cost_heads: int, cost_patch_dim: int, patch_pe_dim: int) -> None:
         super().__init__()
-        self.pe_dim = pe_dim
+        self.cost_heads, self.cost_patch_dim, self.patch_pe_dim = cost_heads, cost_patch_dim, patch_pe_dim
+        dim = cost_patch_dim
         self.proj = nn.ModuleList(
             [
-                nn.Conv2d(in_chans, dim // 4, kernel_size=6, stride=2, padding=2),
+                nn.Conv2d(cost_heads, dim // 4, kernel_size=6, stride=2, padding=2),
                 nn.ReLU(),
                 nn.Conv2d(dim // 4, dim // 2, kernel_size=6, stride=2, padding=2),
                 nn.ReLU(),
                 nn.Conv2d(dim // 2, dim, kernel_size=6, stride=2, padding=2),
             ]
         )
-        token_dim = dim + pe_dim
+        token_dim = dim + patch_pe_dim
         self.ffn_with_coord = nn.Sequential(
             nn.Conv2d(token_dim, token_dim, kernel_size=1),
             nn.ReLU(),
@@ -66,7 +68,7 @@ class PatchEmbed(nn.Module):
     def activation_bytes(self, height: int, width: int) -> int:
         """fp32 activations of one [heads, height, width] cost map through this embedding: the padded map, the
         three convolutions (with their ReLU outputs) and the token FFN on the 1/8 grid."""
-        heads, dim = self.proj[0].in_channels, self.proj[4].out_channels
+        heads, dim = self.cost_heads, self.cost_patch_dim
         hp, wp = -(-height // PATCH) * PATCH, -(-width // PATCH) * PATCH
         tokens = (hp // PATCH) * (wp // PATCH)
         values = (
@@ -74,7 +76,7 @@ class PatchEmbed(nn.Module):
             + 2 * (dim // 4) * (hp // 2) * (wp // 2)
             + 2 * (dim // 2) * (hp // 4) * (wp // 4)
             + dim * tokens
-            + 4 * (dim + self.pe_dim) * tokens
+            + 4 * (dim + self.patch_pe_dim) * tokens
         )
         return values * FLOAT_BYTES
 
@@ -99,7 +101,7 @@ class PatchEmbed(nn.Module):
             x = layer(x)
         # x [N, dim, H3, W3]; patch centres in 1/8-res cost-map pixels
         centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2
-        pe = linear_position_encoding(centres.view(n, 2, -1).permute(0, 2, 1), self.pe_dim)
+        pe = linear_position_encoding(centres.view(n, 2, -1).permute(0, 2, 1), self.patch_pe_dim)
         pe = pe.permute(0, 2, 1).reshape(n, -1, h3, w3)
         x = self.ffn_with_coord(torch.cat([x, pe.to(x.dtype)], dim=1))
         return self.norm(x.flatten(2).transpose(1, 2)), (h3, w3)
@@ -363,7 +365,7 @@ class CostPerceiverEncoder(CostEncoder):
         self.latent_dim = latent_dim
         self.tokenize_chunk = tokenize_chunk
         self.tokenize_checkpoint = tokenize_checkpoint
-        self.patch_embed = PatchEmbed(in_chans=cost_heads, dim=cost_patch_dim, pe_dim=patch_pe_dim)
+        self.patch_embed = PatchEmbed(cost_heads=cost_heads, cost_patch_dim=cost_patch_dim, patch_pe_dim=patch_pe_dim)
         self.latent_tokens = nn.Parameter(torch.randn(1, num_latent_tokens, latent_dim))
         self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=cost_patch_dim + patch_pe_dim)
         self.encoder_layers = nn.ModuleList([self.intra_layer() for _ in range(agt_depth)])
