@@ -122,6 +122,7 @@ def test_a_cost_encoder_written_elsewhere_plugs_into_a_network_of_parts(tmp_path
             decoder_query="crop_and_pe",
             recon_size=None,
             recon_head_depth=3,
+            decoder_dim=16,
         ),
         memory_budget_gb=1e-6,  # the plan sizes its blocks with CostEncoder.cost_map_bytes
     ).train()

@@ -66,7 +66,8 @@ class BackboneConfig:
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
     agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk / tokenize_checkpoint (memory options,
     same numbers): its knobs. query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
-    recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth).
+    recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth);
+    decoder_dim: the recurrent decoder's width (GRU state, context input, motion features; official 128).
     memory_budget_gb: bound the forward pass's memory (None: the dense, official computation).
     """
 
@@ -86,6 +87,7 @@ class BackboneConfig:
     decoder_query: str = "crop_and_pe"
     recon_size: int = 15
     recon_head_depth: int = 3
+    decoder_dim: int = 128
     tokenize_chunk: int | None = 512
     tokenize_checkpoint: bool = False
     memory_budget_gb: float | None = None
@@ -157,6 +159,7 @@ class BackboneConfig:
             decoder_query=self.decoder_query,
             recon_size=self.recon_size if traits.reconstruction_head else None,
             recon_head_depth=self.recon_head_depth,
+            decoder_dim=self.decoder_dim,
         )
         convertor = nn.Conv2d(self.feature_dim, self.feature_dim, 1, bias=False) if traits.channel_convertor else None
         return FlowFormer(
@@ -198,6 +201,7 @@ PRESETS["tiny"] = replace(
     cost_patch_dim=16,
     context_proj_dim=16,
     query_dim=32,
+    decoder_dim=32,  # the recurrent decoder is most of a CPU step
 )
 
 
