@@ -7,7 +7,7 @@ its datasets, roots and augmentation declaratively; the modules only add the Dat
   ``val_dataloader()``'s list (``val/<name>/epe`` etc. in the logs).
 - :class:`PretrainDataModule`: unlabeled pairs for MCVA pretraining.
 
-Training loaders shuffle and drop the last incomplete batch, as the official loaders do (SPEC §6.3);
+Training loaders shuffle and drop the last incomplete batch, as the official ``fetch_dataloader`` does;
 validation runs at batch 1 by default because validation images differ in size (the model pads them).
 
 Resuming is exact: the training loader draws from a :class:`~flowformer.data.sampling.ResumableSampler`
@@ -48,11 +48,20 @@ def _check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
 
 
 class _TrainingData(L.LightningDataModule):
-    """DataLoader settings shared by both modules, and the resumable training loader."""
+    """The training set, the DataLoader settings shared by both modules, and the resumable training loader."""
 
-    def __init__(self, *, batch_size: int, num_workers: int, pin_memory: bool, persistent_workers: bool) -> None:
+    def __init__(
+        self,
+        *,
+        train: Dataset | None,
+        batch_size: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+    ) -> None:
         _check_loader_args(type(self).__name__, batch_size, num_workers)
         super().__init__()
+        self.train_set = train
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
@@ -123,7 +132,7 @@ class FlowDataModule(_TrainingData):
         val: validation datasets by name, e.g. ``{sintel_clean: ..., sintel_final: ..., kitti: ...}``.
         batch_size: training batch size (the official stages use 8 for chairs, 6 after).
         val_batch_size: validation batch size; 1 unless all validation images share one size.
-        num_workers, pin_memory, persistent_workers: DataLoader settings.
+        num_workers, pin_memory, persistent_workers: DataLoader settings (of :class:`_TrainingData`).
     """
 
     def __init__(
@@ -133,18 +142,10 @@ class FlowDataModule(_TrainingData):
         val: Mapping[str, Dataset] | None = None,
         batch_size: int = 8,
         val_batch_size: int = 1,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
+        **loader_settings: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-        )
-        _check_loader_args("FlowDataModule (val)", val_batch_size, num_workers)
-        self.train_set = train
+        super().__init__(train=train, batch_size=batch_size, **loader_settings)
+        _check_loader_args("FlowDataModule (val)", val_batch_size, self.num_workers)
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
             if len(dataset) == 0:
@@ -174,25 +175,13 @@ class FlowDataModule(_TrainingData):
 class PretrainDataModule(_TrainingData):
     """Unlabeled image pairs for MCVA pretraining (YouTube-VOS, a video folder or synthetic clips).
 
-    The official recipe: batch 24, shuffle, drop_last, 368x496 crops (SPEC §5.1). There is no validation set.
+    The official recipe (FlowFormer++ ``pretrain_FlowFormer_maemask.py``): batch 24, shuffle, drop_last,
+    368x496 crops. There is no validation set. ``num_workers``, ``pin_memory``, ``persistent_workers``: the
+    DataLoader settings of :class:`_TrainingData`.
     """
 
-    def __init__(
-        self,
-        *,
-        train: Dataset,
-        batch_size: int = 24,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-    ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-        )
-        self.train_set = train
+    def __init__(self, *, train: Dataset, batch_size: int = 24, **loader_settings: Any) -> None:
+        super().__init__(train=train, batch_size=batch_size, **loader_settings)
 
     @property
     def val_names(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""Unlabeled video pairs for MCVA pretraining: YouTube-VOS (SPEC §5.1) and any folder of videos or frames.
+"""Unlabeled video pairs for MCVA pretraining: YouTube-VOS (FlowFormer++ ``core/pretrain_maemask_datasets.py``)
+and any folder of videos or frames.
 
 Items are ``img1``, ``img2`` float32 [3, H, W] in 0..255 and ``meta`` (``dataset``, ``name``, ``video``,
 ``frame1``, ``frame2``); there is no flow. The MCVA mask is drawn by the model on the fly, not stored here.
@@ -164,7 +165,7 @@ def _image_frames(folder: Path) -> list[Path]:
 
 
 class YouTubeVOS(_PairDataset):
-    """YouTube-VOS, *all-frames* releases (the official MCVA pretraining data, SPEC §5.1).
+    """YouTube-VOS, *all-frames* releases (the official MCVA pretraining data, FlowFormer++ ``YoutubeVOS``).
 
     Expected tree::
 
