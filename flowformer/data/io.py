@@ -1,8 +1,8 @@
 """Flow and image file I/O: Middlebury ``.flo``, ``.pfm``, KITTI 16-bit PNG flow and 8-bit images.
 
-Formats as the official ``core/utils/frame_utils.py`` reads them. Every reader returns numpy arrays in (H, W, C) layout; every failure (missing or
-unreadable file, wrong magic, truncated data, wrong size) raises :class:`FlowFileError`, which names the file
-and says what was wrong.
+Formats as the official ``core/utils/frame_utils.py`` reads them. Every reader returns numpy arrays in
+(H, W, C) layout; every failure (missing or unreadable file, wrong magic, truncated data, wrong size) raises
+:class:`FlowFileError`, which names the file and says what was wrong.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def _check_flow_array(path: PathLike, flow: np.ndarray) -> np.ndarray:
 def read_flo(path: PathLike) -> np.ndarray:
     """Read a Middlebury ``.flo`` file -> float32 [H, W, 2] (u, v).
 
-    Layout (little-endian, official ``readFlow``/``writeFlow``): float32 magic 202021.25, int32 width, int32 height, then H*W*2
-    float32 values, (u, v) interleaved, row-major.
+    Layout (little-endian, official ``readFlow``/``writeFlow``): float32 magic 202021.25, int32 width, int32
+    height, then H*W*2 float32 values, (u, v) interleaved, row-major.
     """
     data = _read_bytes(path)
     if len(data) < 12:
