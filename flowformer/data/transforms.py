@@ -169,7 +169,12 @@ def _resize(array: np.ndarray, scale_x: float, scale_y: float) -> np.ndarray:
 
 @dataclass(kw_only=True, eq=False)
 class _Augmentor:
-    """What every augmentor has: a crop, a scale range ``2^U(min_scale, max_scale)``, flips, colour jitter."""
+    """What every augmentor has: a crop, a scale range ``2^U(min_scale, max_scale)``, flips, colour jitter.
+
+    Augmentors are keyword dataclasses, so each setting and its default is written once. Hydra builds one as
+    the ``augmentor`` argument of a dataset; inside a plain config list or dict OmegaConf would turn the
+    instance back into a config, so pass it to the dataset that uses it.
+    """
 
     crop_size: Sequence[int]  # [height, width]
     min_scale: float = -0.2
