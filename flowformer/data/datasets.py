@@ -191,7 +191,8 @@ class FlyingChairs(FlowDataset):
 
     Pairs are (images[2i], images[2i+1]) with flows[i] over the sorted ``*.ppm`` and ``*.flo`` lists
     (official ``FlyingChairs``; ``chairs_split.txt``: 1 = training, 2 = validation). ``split`` is
-    ``training`` or ``validation`` (the official default 'train' matched neither and gave an empty set).
+    ``training`` or ``validation`` (the official default 'train' matched neither and gave an empty set;
+    docs/departures.md).
     """
 
     def __init__(
@@ -261,7 +262,7 @@ class FlyingThings3D(FlowDataset):
     ``into_future`` -> (img[i], img[i+1]) with flow[i]; ``into_past`` -> (img[i+1], img[i]) with flow[i+1].
     The official code has **no exclusion list and no subset filtering** (nothing like the "unused frames"
     list of other codebases): every TRAIN sequence is used, and so is every sequence here. Sequences are
-    matched by name (the official code zips two sorted lists, which is the same on a complete tree).
+    matched by name (the official code zips two sorted lists: the same on a complete tree; docs/departures.md).
     ``passes`` lists ``clean`` and/or ``final`` (the things stage uses both, the sintel mix clean only).
     """
 

@@ -72,7 +72,8 @@ class ColorJitter:
     hue circle, h <= 0.5); the four ops are applied in a random order. Each op follows PIL's definition on
     uint8 RGB: brightness blends with black, contrast with the mean grey level, saturation with the grey
     image (ITU-R 601 luma), and hue shifts the 8-bit H channel of HSV with wrap-around. Done with OpenCV
-    (about 20 ms for a stacked 1080x960 pair; torchvision's tensor hue alone takes about 280 ms).
+    (about 20 ms for a stacked 1080x960 pair; torchvision's tensor hue alone takes about 280 ms), within a
+    grey level or two of PIL (docs/departures.md).
     """
 
     def __init__(self, *, brightness: float, contrast: float, saturation: float, hue: float) -> None:
