@@ -82,8 +82,11 @@ class _TrainingData(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def train_loader(self, dataset: Dataset) -> DataLoader:
+    def train_dataloader(self) -> DataLoader:
         """Shuffled, this process's share under DDP, drop_last; resumes where the checkpoint stopped."""
+        dataset = self.train_set
+        if dataset is None:
+            raise ValueError(f"{type(self).__name__}: this data config has no training dataset (data.train is null)")
         if len(dataset) < self.batch_size:
             raise ValueError(
                 f"{type(self).__name__}: the training set has {len(dataset)} items, fewer than one batch of "
@@ -157,11 +160,6 @@ class FlowDataModule(_TrainingData):
         """Names of the validation sets, in the order of ``val_dataloader()``."""
         return list(self.val_sets)
 
-    def train_dataloader(self) -> DataLoader:
-        if self.train_set is None:
-            raise ValueError("FlowDataModule: this data config has no training dataset (data.train is null)")
-        return self.train_loader(self.train_set)
-
     def val_dataloader(self) -> list[DataLoader]:
         return [self.loader(dataset, batch_size=self.val_batch_size) for dataset in self.val_sets.values()]
 
@@ -189,6 +187,3 @@ class PretrainDataModule(_TrainingData):
 
     def setup(self, stage: str) -> None:
         log.info("pretraining data: %s", _describe(self.train_set))
-
-    def train_dataloader(self) -> DataLoader:
-        return self.train_loader(self.train_set)
