@@ -1,7 +1,6 @@
 """task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output) on CPU, the infer and bench
 config groups, and the device / precision / network helpers the tasks share (task=bench: tests/test_bench.py)."""
 
-import json
 from pathlib import Path
 
 import cv2
