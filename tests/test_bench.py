@@ -42,6 +42,15 @@ def test_a_row_that_does_not_finish_is_recorded_and_the_benchmark_goes_on(tmp_pa
     assert "| - | - | stopped after" in (tmp_path / "bench.md").read_text()
 
 
+def test_a_row_that_fails_reports_its_error_and_the_next_row_runs(tmp_path):
+    cfg = config("bench.sizes=[[8,16],[64,96]]", "bench.iters=1", "bench.repeats=1", "bench.warmup=0",
+                 f"paths.output_dir={tmp_path}")
+    bench.run(cfg)
+    failed, done = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert failed["status"] == "failed" and "at least 16x16 pixels" in failed["error"] and done["status"] == "ok"
+    assert "| failed: ValueError: " in (tmp_path / "bench.md").read_text()
+
+
 def test_row_config_sets_the_memory_path_of_the_backbone_and_of_the_model():
     row = bench.row_config(config("model=mcva"), [64, 96], 2.0, "bf16-mixed")
     assert (row.bench.height, row.bench.width, row.bench.precision) == (64, 96, "bf16-mixed")

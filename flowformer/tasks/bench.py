@@ -152,6 +152,8 @@ def _measure_in_child(config: dict, results: multiprocessing.Queue) -> None:
         results.put(measure(cfg))
     except torch.OutOfMemoryError as error:
         results.put({"status": "out of memory", "error": str(error).splitlines()[0]})
+    except Exception as error:  # the row's own error, reported in its row; the next row still runs
+        results.put({"status": "failed", "error": f"{type(error).__name__}: {error}".splitlines()[0]})
 
 
 def measure_isolated(cfg: DictConfig, timeout_s: float | None) -> dict[str, Any]:
@@ -166,7 +168,7 @@ def measure_isolated(cfg: DictConfig, timeout_s: float | None) -> dict[str, Any]
         child.kill()
         child.join()
         return {"status": f"stopped after bench.timeout_s={timeout_s}"}
-    if child.exitcode != 0:
+    if child.exitcode != 0:  # died without reporting: killed, or crashed outside Python
         killed = child.exitcode < 0 and -child.exitcode == 9
         return {"status": "killed (out of memory?)" if killed else f"failed (exit code {child.exitcode})"}
     return results.get()
@@ -207,7 +209,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         memory = f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-"
         lines.append(
             f"| {row['height']}x{row['width']} | {row['megapixels']:.2f} | {row['path']} | {row['precision']} "
-            f"| {seconds} | {memory} | {row['status']} |"
+            f"| {seconds} | {memory} | {row['status']}{': ' + row['error'] if 'error' in row else ''} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -273,7 +275,10 @@ def run(cfg: DictConfig) -> float:
     (output_dir / "bench.json").write_text(json.dumps({"machine": about, "setup": setup, "rows": rows}, indent=2))
     table = markdown_table(rows)
     (output_dir / "bench.md").write_text(table)
-    title = f"{setup} on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
+    title = (
+        f"{setup['backbone']} ({setup['image_encoder']}), {setup['mode']}, batch {setup['batch_size']}, "
+        f"{setup['iters']} iterations, on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
+    )
     plot(rows, title, output_dir / "bench.png")
     print(f"{title}\n{table}\nwrote {output_dir / 'bench.json'}, bench.md, bench.png")
     return rows[0].get("mean_s", float("nan"))
