@@ -47,8 +47,8 @@ def endpoint_error(pred: Tensor, gt: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def f1_outliers(epe: Tensor, mag: Tensor) -> Tensor:
-    """KITTI outliers: epe > 3 px AND epe > 5 % of |gt|, as the official ``validate_kitti``. Written without a division, so |gt| = 0
-    gives the same answer as the official ``epe / mag > 0.05`` (inf > 0.05) without a 0/0."""
+    """KITTI outliers: epe > 3 px AND epe > 5 % of |gt|, as the official ``validate_kitti``. Written without a
+    division, so |gt| = 0 gives the same answer as the official ``epe / mag > 0.05`` (inf > 0.05) without a 0/0."""
     return (epe > 3.0) & (epe > 0.05 * mag)
 
 

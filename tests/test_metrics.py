@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from flowformer.metrics import FlowMetrics, KittiSetMetrics, PerImageMetrics, SintelSetMetrics, SpeedBinnedEPE
+from flowformer.metrics import (
+    FlowMetrics,
+    FlowSetMetrics,
+    KittiSetMetrics,
+    PerImageMetrics,
+    SintelSetMetrics,
+    SpeedBinnedEPE,
+)
 
 
 def _flows(gt_uv: list[tuple[float, float]], err_uv: list[tuple[float, float]]) -> tuple[torch.Tensor, ...]:
@@ -29,6 +36,10 @@ def test_flow_metrics_all_pixels() -> None:
     assert r["3px"].item() == pytest.approx(2 / 4)
     assert r["5px"].item() == pytest.approx(3 / 4)
     assert r["f1_all"].item() == pytest.approx(25.0)
+    # kind `flow` counts the valid pixels; with every pixel valid that is the all-pixel mean above
+    masked = FlowSetMetrics()
+    masked.update(PRED, GT, torch.ones(1, 1, 4))
+    assert all(masked.compute()[k].item() == pytest.approx(v.item()) for k, v in r.items())
 
 
 def test_flow_metrics_valid_mask_and_max_flow() -> None:

@@ -1,5 +1,5 @@
-"""The one evaluation path: how flow is predicted on a set (padding or Gaussian tiling, decoder iterations) and
-which metric bundle scores it. Validation in the training loop (``flowformer/lit/flow.py``), task=eval and
+"""The one evaluation path: how flow is predicted on a set (padding or Gaussian tiling, decoder iterations)
+and which metric bundle scores it. Validation in the training loop (``flowformer/lit/flow.py``), task=eval and
 task=infer all predict through ``Protocol.predict``.
 
 - :class:`EvalSet`: a dataset of pairs with its metric kind and padding/tiling geometry, built by Hydra from
@@ -80,23 +80,23 @@ class Protocol:
     def metrics(self) -> SetMetrics:
         """A fresh metric bundle of this protocol's kind."""
         if self.kind not in SET_METRICS:
-            raise ValueError(f"kind {self.kind!r} has no ground truth to score; scored kinds: {list(SET_METRICS)}")
+            raise ValueError(f"kind {self.kind!r} has no ground truth to score; scored: {list(SET_METRICS)}")
         return SET_METRICS[self.kind]()
 
     def predict(self, net: FlowNet, image1: Tensor, image2: Tensor, **net_kwargs: Any) -> dict[str, Tensor]:
         """Full-resolution flow of image1, image2 [B,3,H,W] -> {"flow": [B,2,H,W] float32}.
 
-        Without tiling, the images are padded to [B,3,H',W'], ``net(..., iters=self.iters, **net_kwargs)`` runs
-        once, its flow is cropped back, and its ``flow_low`` [B,2,H'/8,W'/8] (of the padded images, what the
-        next pair's ``flow_init`` takes) is returned too. With tiling, net runs on each tile and the tile flows
-        are blended; ``net_kwargs`` (e.g. ``flow_init``) have no meaning per tile and are refused.
+        Without tiling, the images are padded to [B,3,H',W'], ``net(..., iters=self.iters, **net_kwargs)``
+        runs once, its flow is cropped back, and its ``flow_low`` [B,2,H'/8,W'/8] (of the padded images, what
+        the next pair's ``flow_init`` takes) is returned too. With tiling, net runs on each tile and the tile
+        flows are blended; ``net_kwargs`` (e.g. ``flow_init``) have no meaning per tile and are refused.
         """
         if not self.tile:
             padder = InputPadder(image1.shape, mode=self.pad_mode)
             output = net(*padder.pad(image1, image2), iters=self.iters, **net_kwargs)
             return {"flow": padder.unpad(output["flow"]).float(), "flow_low": output["flow_low"]}
         if net_kwargs:
-            raise ValueError(f"tiled evaluation runs each tile from scratch; it takes no {sorted(net_kwargs)}")
+            raise ValueError(f"tiled evaluation starts every tile afresh and takes no {sorted(net_kwargs)}")
         padder = (
             InputPadder(image1.shape, mode=self.tile_pad_mode, fill="zeros") if self.tile_pad_mode else None
         )
@@ -167,13 +167,14 @@ class EvalSet(Dataset):
 
 def validation_protocol(dataset: Dataset | None, iters: int) -> Protocol:
     """Validation in the training loop: the set's kind and padding, never tiled (as the official in-training
-    validation), ``iters`` (``model.val_iters``) iterations. A plain dataset (or None) is scored as kind ``flow``."""
+    validation), ``iters`` (``model.val_iters``) iterations. A plain dataset (or None) is scored as kind
+    ``flow``."""
     if not isinstance(dataset, EvalSet):
         return Protocol(iters=iters, kind="flow")
     if dataset.iters is not None:
         raise ValueError(
-            f"a validation set sets iters={dataset.iters}, but validation runs model.val_iters={iters} on every "
-            "set; remove its iters (they are task=eval's: eval.benchmarks.<name>.iters)"
+            f"a validation set sets iters={dataset.iters}, but validation runs model.val_iters={iters} on "
+            "every set; remove its iters (they are task=eval's: eval.benchmarks.<name>.iters)"
         )
     if dataset.kind not in SET_METRICS:
         raise ValueError(f"a validation set of kind {dataset.kind!r} has no ground truth to score")

@@ -148,7 +148,7 @@ def open_set(name: str, node: Mapping[str, Any]) -> EvalSet:
         ) from None
     if not isinstance(eval_set, EvalSet):
         raise TypeError(
-            f"eval.benchmarks.{name} must build a flowformer.eval.protocol.EvalSet (copy one of conf/eval/sets/)"
+            f"eval.benchmarks.{name} must build a flowformer.eval.protocol.EvalSet (copy a conf/eval/sets/ file)"
         )
     if eval_set.iters is None:
         raise ValueError(f"eval.benchmarks.{name}.iters is not set: give its decoder iterations")
