@@ -174,9 +174,9 @@ class FlowModule(L.LightningModule):
         self.log("train/grad_norm", grad_norm)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not self.val_names:
+        name = self.val_names[dataloader_idx] if self.val_names else "val"
+        if name not in self.val_protocols:  # the loaders of a datamodule without `val_names`: one set `val`
             self.set_validation_sets({"val": None})
-        name = self.val_names[dataloader_idx]
         image1, image2 = batch["img1"], batch["img2"]
         flow = self.val_protocols[name].predict(self.backbone, image1, image2)["flow"]  # [B,2,H,W]
         self.val_metrics[name].update(flow, batch["flow"], batch.get("valid"))
