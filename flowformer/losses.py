@@ -1,4 +1,4 @@
-"""Supervised flow loss: the official exponentially weighted sequence loss (SPEC §6.1)."""
+"""Supervised flow loss: the official exponentially weighted sequence loss (``core/loss.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def sequence_loss(
 
     flow_predictions: N tensors [B,2,H,W]; flow_gt [B,2,H,W]; valid [B,H,W] (>= 0.5 means valid).
     The mean runs over all B*2*H*W elements, invalid pixels included (they add zero but count in the
-    denominator), exactly as the official `sequence_loss` (SPEC §6.1). Pixels with |gt| >= max_flow are invalid.
+    denominator), exactly as the official `sequence_loss` in `core/loss.py`. Pixels with |gt| >= max_flow are invalid.
 
     Returns the loss (a scalar) and detached metrics of the last prediction over valid pixels:
     `epe` (mean end-point error) and `1px`/`3px`/`5px` (fraction of valid pixels with EPE below 1/3/5);

@@ -227,14 +227,14 @@ def test_kitti_sparse_valid_from_png(tmp_path: Path) -> None:
 
 def test_hd1k_sequences(tmp_path: Path) -> None:
     root = tmp_path / "HD1k"
-    for seq, frames in ((0, 3), (1, 2)):
+    for seq, frames in ((0, 3), (2, 2)):  # no sequence 1: the official loop would stop there
         for j in range(frames):
             _image(root / "hd1k_input/image_2" / f"{seq:06d}_{j:04d}.png", 10 * seq + j)
             write_kitti_flow(root / "hd1k_flow_gt/flow_occ" / f"{seq:06d}_{j:04d}.png", *_sparse_flow(j))
     dataset = HD1K(root=root)
     assert len(dataset) == 3  # (3 - 1) + (2 - 1)
     item = dataset[2]
-    assert (_red(item["img1"]), _red(item["img2"])) == (10, 11) and item["meta"]["sequence"] == "000001"
+    assert (_red(item["img1"]), _red(item["img2"])) == (20, 21) and item["meta"]["sequence"] == "000002"
 
 
 def test_sparse_dataset_rejects_dense_augmentor(tmp_path: Path) -> None:

@@ -269,3 +269,19 @@ def test_cost_window_sampling_in_chunks_equals_one_call(monkeypatch) -> None:
     chunked = sample_cost_window(maps, coords, radius=2)
     assert calls == [7] * 8 + [4]
     assert torch.equal(chunked, whole)
+
+
+def test_decoder_dim_scales_the_recurrent_decoder_and_keeps_its_keys() -> None:
+    official = build(decoder_dim=128).memory_decoder
+    small = build(decoder_dim=32).memory_decoder
+    block = official.update_block
+    # the official GMA update block's widths (GRU state 128, motion encoder 256/192/128/64/126, heads 256)
+    widths = [block.encoder.convc1.out_channels, block.encoder.convc2.out_channels, block.encoder.convf1.out_channels,
+              block.encoder.convf2.out_channels, block.encoder.conv.out_channels, block.flow_head.conv1.out_channels,
+              block.gru.convz1.out_channels, block.mask[0].out_channels, official.proj.out_channels]
+    assert widths == [256, 192, 128, 64, 126, 256, 128, 256, 256]
+    assert small.update_block.gru.convz1.out_channels == 32 and small.proj.out_channels == 64
+    assert official.state_dict().keys() == small.state_dict().keys()
+    net = build(decoder_dim=32).eval()
+    with torch.no_grad():
+        assert net(*images(), iters=2)["flow"].shape == (1, 2, H, W)

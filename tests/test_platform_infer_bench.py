@@ -1,5 +1,5 @@
-"""task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output), task=bench (forward, train and
-MCVA pretrain steps) on CPU, their config groups, and the device / precision / network helpers they share."""
+"""task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output) on CPU, the infer and bench
+config groups, and the device / precision / network helpers the tasks share (task=bench: tests/test_bench.py)."""
 
 import json
 from pathlib import Path
@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.models import save_backbone
 from flowformer.models.checkpoint import CheckpointMismatchError, load_backbone
-from flowformer.tasks import bench, infer, run_task
+from flowformer.tasks import infer, run_task
 from flowformer.tasks.runtime import autocast_context, load_network
 
 CPU = torch.device("cpu")
@@ -109,35 +109,6 @@ def test_infer_refuses_missing_input(tmp_path, checkpoint):
         infer.run(config(f"infer.input={tmp_path / 'nope'}", f"infer.checkpoint={checkpoint}"))
 
 
-def test_bench_reports_time_and_memory(tmp_path):
-    cfg = config("bench.height=64", "bench.width=96", "bench.iters=2", "bench.repeats=1", "bench.warmup=0",
-                 "bench.device=cpu", f"paths.output_dir={tmp_path}")
-    seconds = bench.run(cfg)
-    report = json.loads((tmp_path / "bench.json").read_text())
-    assert seconds > 0 and report["mean_s"] == seconds and report["peak_rss_mib"] > 0
-
-
-@pytest.mark.parametrize(
-    ("mode", "extra"), [("train", []), ("pretrain", ["model=mcva", "model.query_num=2"])]
-)
-def test_bench_training_modes_step_the_weights(mode, extra):
-    cfg = config(*extra, f"bench.mode={mode}", "bench.height=64", "bench.width=96", "bench.iters=2")
-    images = [torch.rand(2, 3, 64, 96) * 255 for _ in range(2)]
-    net, step = bench.build_step(cfg, torch.device("cpu"), *images)
-    trainable = {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad}
-    step()
-    changed = {n for n, p in net.named_parameters() if n in trainable and not torch.equal(p, trainable[n])}
-    assert changed and all(net.get_parameter(n).grad is not None for n in changed)
-    # MCVA keeps its image/context encoders frozen; a supervised step trains them
-    assert any(n.startswith("context_encoder.") for n in changed) == (mode == "train")
-
-
-def test_bench_rejects_pretrain_without_mcva():
-    cfg = config("bench.mode=pretrain")
-    with pytest.raises(ValueError, match="model=mcva"):
-        bench.build_step(cfg, torch.device("cpu"), torch.zeros(1, 3, 64, 96), torch.zeros(1, 3, 64, 96))
-
-
 def test_unreadable_image_is_one_clear_message(tmp_path, checkpoint, capsys):
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
@@ -156,9 +127,9 @@ def test_infer_and_bench_settings_are_config_groups():
     assert list(cfg.infer.input) == ["a.png", "b.png"] and cfg.infer.checkpoint == "c.pt"
     settings = (cfg.infer.output_dir, cfg.infer.iters, cfg.infer.format, cfg.infer.pad_mode, cfg.infer.device)
     assert settings == ("/out/flow", 12, "flo", "sintel", "auto")
-    cfg = compose_run_config(["task=bench", "bench.height=432", "bench.width=960"])
-    assert (cfg.bench.mode, cfg.bench.height, cfg.bench.width, cfg.bench.iters) == ("forward", 432, 960, 12)
-    assert cfg.bench.precision == "32-true"
+    cfg = compose_run_config(["task=bench", "bench.sizes=[[432,960]]"])
+    assert (cfg.bench.mode, cfg.bench.sizes, cfg.bench.iters) == ("forward", [[432, 960]], 12)
+    assert cfg.bench.precisions == ["32-true"] and cfg.bench.memory_budgets_gb == [None]  # the backbone's: dense
 
 
 def test_infer_refuses_a_null_checkpoint(tmp_path):

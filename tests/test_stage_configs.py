@@ -1,4 +1,5 @@
-"""The stage experiments compose to the official hyperparameters (SPEC §2.1-2.2, §6.1-6.3)."""
+"""The stage experiments compose to the official hyperparameters: configs/{default,things,sintel,kitti}.py of
+FlowFormer and FlowFormer++ and the stages of their core/datasets.py fetch_dataloader."""
 
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from compose_helper import compose_run_config
 from flowformer.data.io import write_flo, write_kitti_flow
 from flowformer.lit.flow import FlowModule
 
-# stage -> (data, lr, weight decay, steps, batch, {variant: gamma}, validation sets)  (SPEC §6.1, §6.3)
+# stage -> (data, lr, weight decay, steps, batch, {variant: gamma}, validation sets)
 STAGES = {
     "chairs": ("chairs", 2.5e-4, 1e-4, 120_000, 8, {"flowformer": 0.8, "flowformer_pp": 0.8}, ["chairs"]),
     "things": (
@@ -34,7 +35,7 @@ STAGES = {
     ),
     "kitti": ("kitti", 1.25e-4, 1e-5, 50_000, 6, {"flowformer": 0.85, "flowformer_pp": 0.85}, ["kitti"]),
 }
-# stage -> the previous stage's checkpoint file (official restore_ckpt names, SPEC §2.1)
+# stage -> the previous stage's checkpoint file (FF restore_ckpt names, e.g. 'checkpoints/chairs.pth')
 PREVIOUS = {"things": "chairs.pth", "sintel": "things.pth", "kitti": "sintel.pth"}
 
 
@@ -61,7 +62,7 @@ def test_stage_hyperparameters(stage: str, variant: str) -> None:
     assert cfg.name == stage
     init_from = cfg.model.init_from
     if stage == "chairs":
-        # FF: ImageNet Twins only; FF++: its MCVA pretraining output (SPEC §5.7)
+        # FF: ImageNet Twins only; FF++: its MCVA pretraining output (restore_ckpt of FF++ configs/default.py)
         assert (init_from is None) == (variant == "flowformer")
     else:
         assert init_from == f"/root/checkpoints/{variant}/{PREVIOUS[stage]}"
@@ -71,8 +72,8 @@ def test_stage_hyperparameters(stage: str, variant: str) -> None:
     assert override.model.init_from == "/ckpt/last.ckpt"
 
 
-def test_stage_augmentation_matches_spec() -> None:
-    # (crop, min scale, max scale, flip) per stage, SPEC §6.3
+def test_stage_augmentation_matches_official() -> None:
+    # (crop, min scale, max scale, flip) per stage, as the official fetch_dataloader
     chairs = compose_run_config(["experiment=chairs"]).data.train.augmentor
     assert (list(chairs.crop_size), chairs.min_scale, chairs.max_scale, chairs.do_flip) == (
         [368, 496],
@@ -93,7 +94,8 @@ def test_stage_augmentation_matches_spec() -> None:
         False,
     )
     mix = compose_run_config(["experiment=sintel"]).data.train.parts
-    assert [part.repeat for part in mix] == [100, 200, 5, 1]  # SPEC §8.3 (clean+final share the 100)
+    # 100 x Sintel (clean and final share it), 200 x KITTI, 5 x HD1K, 1 x Things clean
+    assert [part.repeat for part in mix] == [100, 200, 5, 1]
     scales = [(part.dataset.augmentor.min_scale, part.dataset.augmentor.max_scale) for part in mix]
     assert scales == [(-0.2, 0.6), (-0.3, 0.5), (-0.5, 0.2), (-0.2, 0.6)]
     assert list(mix[3].dataset.passes) == ["clean"]

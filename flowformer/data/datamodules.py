@@ -7,7 +7,7 @@ its datasets, roots and augmentation declaratively; the modules only add the Dat
   ``val_dataloader()``'s list (``val/<name>/epe`` etc. in the logs).
 - :class:`PretrainDataModule`: unlabeled pairs for MCVA pretraining.
 
-Training loaders shuffle and drop the last incomplete batch, as the official loaders do (SPEC §6.3);
+Training loaders shuffle and drop the last incomplete batch, as the official ``fetch_dataloader`` does;
 validation runs at batch 1 by default because validation images differ in size (the model pads them).
 
 Resuming is exact: the training loader draws from a :class:`~flowformer.data.sampling.ResumableSampler`
@@ -48,11 +48,20 @@ def _check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
 
 
 class _TrainingData(L.LightningDataModule):
-    """DataLoader settings shared by both modules, and the resumable training loader."""
+    """The training set, the DataLoader settings shared by both modules, and the resumable training loader."""
 
-    def __init__(self, *, batch_size: int, num_workers: int, pin_memory: bool, persistent_workers: bool) -> None:
+    def __init__(
+        self,
+        *,
+        train: Dataset | None,
+        batch_size: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+    ) -> None:
         _check_loader_args(type(self).__name__, batch_size, num_workers)
         super().__init__()
+        self.train_set = train
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
@@ -73,8 +82,11 @@ class _TrainingData(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def train_loader(self, dataset: Dataset) -> DataLoader:
+    def train_dataloader(self) -> DataLoader:
         """Shuffled, this process's share under DDP, drop_last; resumes where the checkpoint stopped."""
+        dataset = self.train_set
+        if dataset is None:
+            raise ValueError(f"{type(self).__name__}: this data config has no training dataset (data.train is null)")
         if len(dataset) < self.batch_size:
             raise ValueError(
                 f"{type(self).__name__}: the training set has {len(dataset)} items, fewer than one batch of "
@@ -123,7 +135,7 @@ class FlowDataModule(_TrainingData):
         val: validation datasets by name, e.g. ``{sintel_clean: ..., sintel_final: ..., kitti: ...}``.
         batch_size: training batch size (the official stages use 8 for chairs, 6 after).
         val_batch_size: validation batch size; 1 unless all validation images share one size.
-        num_workers, pin_memory, persistent_workers: DataLoader settings.
+        num_workers, pin_memory, persistent_workers: DataLoader settings (of :class:`_TrainingData`).
     """
 
     def __init__(
@@ -133,18 +145,10 @@ class FlowDataModule(_TrainingData):
         val: Mapping[str, Dataset] | None = None,
         batch_size: int = 8,
         val_batch_size: int = 1,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
+        **loader_settings: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-        )
-        _check_loader_args("FlowDataModule (val)", val_batch_size, num_workers)
-        self.train_set = train
+        super().__init__(train=train, batch_size=batch_size, **loader_settings)
+        _check_loader_args("FlowDataModule (val)", val_batch_size, self.num_workers)
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
             if len(dataset) == 0:
@@ -155,11 +159,6 @@ class FlowDataModule(_TrainingData):
     def val_names(self) -> list[str]:
         """Names of the validation sets, in the order of ``val_dataloader()``."""
         return list(self.val_sets)
-
-    def train_dataloader(self) -> DataLoader:
-        if self.train_set is None:
-            raise ValueError("FlowDataModule: this data config has no training dataset (data.train is null)")
-        return self.train_loader(self.train_set)
 
     def val_dataloader(self) -> list[DataLoader]:
         return [self.loader(dataset, batch_size=self.val_batch_size) for dataset in self.val_sets.values()]
@@ -174,25 +173,13 @@ class FlowDataModule(_TrainingData):
 class PretrainDataModule(_TrainingData):
     """Unlabeled image pairs for MCVA pretraining (YouTube-VOS, a video folder or synthetic clips).
 
-    The official recipe: batch 24, shuffle, drop_last, 368x496 crops (SPEC §5.1). There is no validation set.
+    The official recipe (FlowFormer++ ``pretrain_FlowFormer_maemask.py``): batch 24, shuffle, drop_last,
+    368x496 crops. There is no validation set. ``num_workers``, ``pin_memory``, ``persistent_workers``: the
+    DataLoader settings of :class:`_TrainingData`.
     """
 
-    def __init__(
-        self,
-        *,
-        train: Dataset,
-        batch_size: int = 24,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-    ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-        )
-        self.train_set = train
+    def __init__(self, *, train: Dataset, batch_size: int = 24, **loader_settings: Any) -> None:
+        super().__init__(train=train, batch_size=batch_size, **loader_settings)
 
     @property
     def val_names(self) -> list[str]:
@@ -200,6 +187,3 @@ class PretrainDataModule(_TrainingData):
 
     def setup(self, stage: str) -> None:
         log.info("pretraining data: %s", _describe(self.train_set))
-
-    def train_dataloader(self) -> DataLoader:
-        return self.train_loader(self.train_set)

@@ -1,4 +1,5 @@
-"""Supervised flow datasets in their official layouts (SPEC §8) and the stage mix (SPEC §8.3).
+"""Supervised flow datasets in their official layouts (the readers of the official ``core/datasets.py``) and
+the sintel stage mix.
 
 Every item follows the data contract: ``img1``, ``img2`` float32 [3, H, W] in 0..255, ``flow`` float32
 [2, H, W], ``valid`` float32 [H, W] (1 = valid) and ``meta`` (strings and ints: ``dataset``, ``name`` and the
@@ -160,7 +161,7 @@ class FlowDataset(Dataset):
                 img1, img2, flow, valid = self.augmentor(img1, img2, flow, valid, rng)
             else:
                 img1, img2, flow = self.augmentor(img1, img2, flow, rng)
-        if valid is None:  # dense ground truth: huge values mark invalid pixels (SPEC §6.4)
+        if valid is None:  # dense ground truth: |u| or |v| >= 1000 marks invalid pixels, as the official reader
             valid = (np.abs(flow[..., 0]) < 1000) & (np.abs(flow[..., 1]) < 1000)
         return {
             "img1": to_chw(img1),
@@ -189,8 +190,9 @@ class FlyingChairs(FlowDataset):
                                            (also accepted one level up, in FlyingChairs_release/)
 
     Pairs are (images[2i], images[2i+1]) with flows[i] over the sorted ``*.ppm`` and ``*.flo`` lists
-    (SPEC §8.1). ``split`` is ``training`` or ``validation`` (the official default 'train' matched neither
-    and gave an empty set, SPEC §9.1.13).
+    (official ``FlyingChairs``; ``chairs_split.txt``: 1 = training, 2 = validation). ``split`` is
+    ``training`` or ``validation`` (the official default 'train' matched neither and gave an empty set;
+    docs/departures.md).
     """
 
     def __init__(
@@ -255,11 +257,12 @@ class FlyingThings3D(FlowDataset):
             optical_flow/TRAIN/{A,B,C}/0000/into_past/left/OpticalFlowIntoPast_0006_L.pfm ...
             (TEST/ alike, for split='test')
 
-    Official pairing (SPEC §8.1), per sequence with sorted images and flows, i = 0 .. len(flows)-2:
+    Official pairing (``FlyingThings3D`` in ``core/datasets.py``), per sequence with sorted images and flows,
+    i = 0 .. len(flows)-2:
     ``into_future`` -> (img[i], img[i+1]) with flow[i]; ``into_past`` -> (img[i+1], img[i]) with flow[i+1].
     The official code has **no exclusion list and no subset filtering** (nothing like the "unused frames"
     list of other codebases): every TRAIN sequence is used, and so is every sequence here. Sequences are
-    matched by name (the official code zips two sorted lists, which is the same on a complete tree).
+    matched by name (the official code zips two sorted lists: the same on a complete tree; docs/departures.md).
     ``passes`` lists ``clean`` and/or ``final`` (the things stage uses both, the sintel mix clean only).
     """
 
@@ -321,8 +324,8 @@ class MpiSintel(FlowDataset):
             test/final/<scene>/frame_0001.png ...
 
     Pairs are consecutive frames of a scene; flow[i] belongs to (frame[i], frame[i+1]). Scenes are sorted
-    (the official ``os.listdir`` order depends on the filesystem, SPEC §9.4). ``meta`` carries ``pass``,
-    ``scene`` and the 0-based ``frame`` (the submission file is ``frame_{frame+1:04d}.flo``, SPEC §7.4).
+    (the official ``os.listdir`` order depends on the filesystem; docs/departures.md). ``meta`` carries
+    ``pass``, ``scene`` and the 0-based ``frame`` (the official submission file is ``frame_{frame+1:04d}.flo``).
     """
 
     def __init__(
@@ -374,7 +377,7 @@ class KITTI(FlowDataset):
             testing/image_2/000000_10.png, 000000_11.png, ...
 
     Ground truth is ``flow_occ`` (all pixels, occluded included), read as sparse flow with its valid channel.
-    ``meta`` carries ``frame_id`` (``000000_10.png``, the submission file name, SPEC §7.4).
+    ``meta`` carries ``frame_id`` (``000000_10.png``, the official submission file name).
     """
 
     sparse = True
@@ -413,8 +416,8 @@ class HD1K(FlowDataset):
             hd1k_flow_gt/flow_occ/000000_0000.png, ...     (16-bit PNG like KITTI)
 
     Files are ``<sequence>_<frame>.png``. Per sequence, pair i is (image[i], image[i+1]) with flow[i], for
-    i up to len(flows)-2 (SPEC §8.1). The official loop stops at the first missing sequence number; here
-    every sequence present is read.
+    i up to len(flows)-2 (official ``HD1K``). The official loop stops at the first missing sequence number;
+    here every sequence present is read (docs/departures.md).
     """
 
     sparse = True
@@ -453,7 +456,7 @@ def _check_choices(dataset: str, key: str, values: Sequence[str], allowed: Seque
 
 
 class WeightedConcatDataset(Dataset):
-    """Datasets joined with integer multipliers, e.g. the sintel stage mix (SPEC §8.3)::
+    """Datasets joined with integer multipliers, e.g. the official sintel stage mix (``fetch_dataloader``)::
 
         100 x Sintel-clean + 100 x Sintel-final + 200 x KITTI + 5 x HD1K + 1 x Things-clean
 

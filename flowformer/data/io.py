@@ -1,8 +1,8 @@
 """Flow and image file I/O: Middlebury ``.flo``, ``.pfm``, KITTI 16-bit PNG flow and 8-bit images.
 
-Formats follow SPEC §8.2. Every reader returns numpy arrays in (H, W, C) layout; every failure (missing or
-unreadable file, wrong magic, truncated data, wrong size) raises :class:`FlowFileError`, which names the file
-and says what was wrong.
+Formats as the official ``core/utils/frame_utils.py`` reads them. Every reader returns numpy arrays in
+(H, W, C) layout; every failure (missing or unreadable file, wrong magic, truncated data, wrong size) raises
+:class:`FlowFileError`, which names the file and says what was wrong.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ __all__ = [
     "write_kitti_flow",
 ]
 
-FLO_MAGIC = 202021.25  # SPEC §8.2: float32 tag at the start of every Middlebury .flo file
-_KITTI_OFFSET = 2.0**15  # SPEC §8.2: u = (R - 2^15) / 64
+FLO_MAGIC = 202021.25  # the float32 tag at the start of every Middlebury .flo file
+_KITTI_OFFSET = 2.0**15  # u = (R - 2^15) / 64, official readFlowKITTI
 _KITTI_SCALE = 64.0
 
 PathLike = str | os.PathLike
@@ -81,8 +81,8 @@ def _check_flow_array(path: PathLike, flow: np.ndarray) -> np.ndarray:
 def read_flo(path: PathLike) -> np.ndarray:
     """Read a Middlebury ``.flo`` file -> float32 [H, W, 2] (u, v).
 
-    Layout (SPEC §8.2, little-endian): float32 magic 202021.25, int32 width, int32 height, then H*W*2
-    float32 values, (u, v) interleaved, row-major.
+    Layout (little-endian, official ``readFlow``/``writeFlow``): float32 magic 202021.25, int32 width, int32
+    height, then H*W*2 float32 values, (u, v) interleaved, row-major.
     """
     data = _read_bytes(path)
     if len(data) < 12:
@@ -125,7 +125,7 @@ def read_pfm(path: PathLike) -> np.ndarray:
     dropped, as for FlyingThings3D flow), or [H, W] for 1-channel ``Pf`` files.
 
     A negative scale means little-endian data, a positive one big-endian; rows are stored bottom-to-top and
-    are flipped here (SPEC §8.2).
+    are flipped here (the official ``readPFM`` applies ``flipud``).
     """
     data = _read_bytes(path)
     match = _PFM_HEADER.match(data)
@@ -161,7 +161,8 @@ def read_pfm(path: PathLike) -> np.ndarray:
 def read_kitti_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
     """Read a KITTI/HD1K 16-bit PNG flow -> (flow float32 [H, W, 2], valid float32 [H, W]).
 
-    Channels (R, G, B) = (u*64 + 2^15, v*64 + 2^15, valid) as uint16 (SPEC §8.2). Pillow cannot decode
+    Channels (R, G, B) = (u*64 + 2^15, v*64 + 2^15, valid) as uint16 (official
+    ``readFlowKITTI``). Pillow cannot decode
     these 3-channel 16-bit PNGs; OpenCV can (it returns BGR, so the channels are reversed here).
     """
     if not Path(path).is_file():

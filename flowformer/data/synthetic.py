@@ -24,6 +24,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from flowformer.data.sampling import SampleKey, item_index
 
 __all__ = ["SyntheticFlowDataset", "SyntheticVideoDataset"]
 
-_REFERENCE_SIZE = (368, 496)  # the FlowFormer training crop (SPEC §6.3); max_translation is given at it
+_REFERENCE_SIZE = (368, 496)  # the official chairs training crop; max_translation is given at it
 _COARSEST_CELL = 64  # multi-scale noise: octaves with cells of 64, 32, ... px down to a finest cell
 _EDGE_WIDTH = 1.0  # pixels: texture edges are soft steps about this wide, sharp but not aliased
 
@@ -270,19 +271,30 @@ def _single_threaded() -> Iterator[None]:
 
 
 class _SceneSource:
-    """Shared construction and validation of the scene parameters for both synthetic datasets."""
+    """Construction and validation of the scene parameters, shared by both synthetic datasets.
+
+    Args:
+        num_samples: number of samples; sample ``i`` is a pure function of ``(seed, i)``.
+        size: (H, W) in pixels, any integers >= 8.
+        seed: dataset seed; use different seeds for training and validation sets.
+        num_layers: moving foreground shapes in front of the background.
+        max_translation: largest object translation in pixels at 368x496, scaled with sqrt(H*W).
+        max_rotation: largest rotation between the frames, degrees.
+        max_scale_change: largest relative scale change between the frames (0.1 = +-10%).
+        background_motion: the background's motion as a fraction of the objects' (camera motion).
+    """
 
     def __init__(
         self,
         *,
         num_samples: int,
-        size: tuple[int, int] | list[int],
-        seed: int,
-        num_layers: int,
-        max_translation: float,
-        max_rotation: float,
-        max_scale_change: float,
-        background_motion: float,
+        size: tuple[int, int] | list[int] = _REFERENCE_SIZE,
+        seed: int = 0,
+        num_layers: int = 4,
+        max_translation: float = 100.0,
+        max_rotation: float = 10.0,
+        max_scale_change: float = 0.1,
+        background_motion: float = 0.25,
     ) -> None:
         if num_samples < 1:
             raise ValueError(f"synthetic data: num_samples must be >= 1, got {num_samples}")
@@ -324,39 +336,9 @@ class SyntheticFlowDataset(_SceneSource, Dataset):
     """Image pairs with exact ground-truth flow, valid and occlusion masks (the data contract, plus
     ``occlusion`` float [H, W], 1 = the pixel's surface is not visible at the target in frame 2).
 
-    Args:
-        num_samples: number of pairs; sample ``i`` is a pure function of ``(seed, i)``.
-        size: (H, W) in pixels, any integers >= 8.
-        seed: dataset seed; use different seeds for training and validation sets.
-        num_layers: moving foreground shapes in front of the background.
-        max_translation: largest object translation in pixels at 368x496, scaled with sqrt(H*W).
-        max_rotation: largest rotation between the frames, degrees.
-        max_scale_change: largest relative scale change between the frames (0.1 = +-10%).
-        background_motion: the background's motion as a fraction of the objects' (camera motion).
+    Arguments: the scene parameters of :class:`_SceneSource` (``num_samples``, ``size``, ``seed``,
+    ``num_layers``, ``max_translation``, ``max_rotation``, ``max_scale_change``, ``background_motion``).
     """
-
-    def __init__(
-        self,
-        *,
-        num_samples: int,
-        size: tuple[int, int] | list[int] = _REFERENCE_SIZE,
-        seed: int = 0,
-        num_layers: int = 4,
-        max_translation: float = 100.0,
-        max_rotation: float = 10.0,
-        max_scale_change: float = 0.1,
-        background_motion: float = 0.25,
-    ) -> None:
-        super().__init__(
-            num_samples=num_samples,
-            size=size,
-            seed=seed,
-            num_layers=num_layers,
-            max_translation=max_translation,
-            max_rotation=max_rotation,
-            max_scale_change=max_scale_change,
-            background_motion=background_motion,
-        )
 
     def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
         index = item_index(item)  # scenes are a function of (seed, index): a draw's seed is not needed
@@ -385,30 +367,8 @@ class SyntheticVideoDataset(_SceneSource, Dataset):
     ``frame_gap`` (1..num_frames-1, default: the last frame).
     """
 
-    def __init__(
-        self,
-        *,
-        num_samples: int,
-        size: tuple[int, int] | list[int] = _REFERENCE_SIZE,
-        seed: int = 0,
-        num_frames: int = 3,
-        frame_gap: int | None = None,
-        num_layers: int = 4,
-        max_translation: float = 100.0,
-        max_rotation: float = 10.0,
-        max_scale_change: float = 0.1,
-        background_motion: float = 0.25,
-    ) -> None:
-        super().__init__(
-            num_samples=num_samples,
-            size=size,
-            seed=seed,
-            num_layers=num_layers,
-            max_translation=max_translation,
-            max_rotation=max_rotation,
-            max_scale_change=max_scale_change,
-            background_motion=background_motion,
-        )
+    def __init__(self, *, num_frames: int = 3, frame_gap: int | None = None, **scene: Any) -> None:
+        super().__init__(**scene)
         if num_frames < 3:
             raise ValueError(f"SyntheticVideoDataset: num_frames must be >= 3, got {num_frames}")
         frame_gap = num_frames - 1 if frame_gap is None else int(frame_gap)

@@ -1,9 +1,12 @@
-"""Training augmentation for flow pairs and for pretraining image pairs (SPEC §6.4 and §5.1).
+"""Training augmentation for flow pairs and for pretraining image pairs: the official
+``core/utils/augmentor.py`` (``FlowAugmentor``, ``SparseFlowAugmentor``; FlowFormer++'s ``ImageAugmentor``).
 
 All augmentors work on numpy arrays, exactly where the official code does: images uint8 [H, W, 3], flow
 float32 [H, W, 2], valid float32 [H, W]. Every random draw comes from the ``rng`` argument (a numpy
-``Generator``), so the caller decides the stream; :class:`WorkerRNG` gives each DataLoader worker its own
-stream, fresh every epoch (unlike the official per-worker ``np.random.seed(worker_id)``, SPEC §9.4).
+``Generator``), so the caller decides the stream: a training draw's own seed
+(:mod:`flowformer.data.sampling`), else :class:`WorkerRNG`, a stream per DataLoader worker that is fresh every
+epoch (the official loaders re-seed each worker with ``np.random.seed(worker_id)`` and so replay the same
+streams every epoch; see docs/departures.md).
 
 - :class:`FlowAugmentor`: dense ground truth (Chairs, Things, Sintel). Colour -> eraser -> spatial.
 - :class:`SparseFlowAugmentor`: sparse ground truth (KITTI, HD1K). Symmetric colour -> eraser -> pad,
@@ -17,6 +20,7 @@ Resizing uses ``cv2.resize(INTER_LINEAR)`` like the official code; colour jitter
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import cv2
 import numpy as np
@@ -68,7 +72,8 @@ class ColorJitter:
     hue circle, h <= 0.5); the four ops are applied in a random order. Each op follows PIL's definition on
     uint8 RGB: brightness blends with black, contrast with the mean grey level, saturation with the grey
     image (ITU-R 601 luma), and hue shifts the 8-bit H channel of HSV with wrap-around. Done with OpenCV
-    (about 20 ms for a stacked 1080x960 pair; torchvision's tensor hue alone takes about 280 ms).
+    (about 20 ms for a stacked 1080x960 pair; torchvision's tensor hue alone takes about 280 ms), within a
+    grey level or two of PIL (docs/departures.md).
     """
 
     def __init__(self, *, brightness: float, contrast: float, saturation: float, hue: float) -> None:
@@ -135,7 +140,8 @@ def _photometric(
 
 
 def _erase(img2: np.ndarray, prob: float, rng: np.random.Generator) -> np.ndarray:
-    """Occlusion augmentation (SPEC §6.4): 1-2 boxes of side 50-99 px filled with img2's mean colour."""
+    """Occlusion augmentation (official ``eraser_transform``): 1-2 boxes of side 50-99 px filled with img2's
+    mean colour."""
     if rng.random() >= prob:
         return img2
     img2 = img2.copy()
@@ -162,40 +168,52 @@ def _resize(array: np.ndarray, scale_x: float, scale_y: float) -> np.ndarray:
     return cv2.resize(array, None, fx=scale_x, fy=scale_y, interpolation=cv2.INTER_LINEAR)
 
 
-class _DenseSpatial:
+@dataclass(kw_only=True, eq=False)
+class _Augmentor:
+    """What every augmentor has: a crop, a scale range ``2^U(min_scale, max_scale)``, flips, colour jitter.
+
+    Augmentors are keyword dataclasses, so each setting and its default is written once. Hydra builds one as
+    the ``augmentor`` argument of a dataset; inside a plain config list or dict OmegaConf would turn the
+    instance back into a config, so pass it to the dataset that uses it.
+    """
+
+    crop_size: Sequence[int]  # [height, width]
+    min_scale: float = -0.2
+    max_scale: float = 0.5
+    do_flip: bool = True
+    photometric: bool = True
+    brightness: float = 0.4
+    contrast: float = 0.4
+    saturation: float = 0.4
+    hue: float = 0.5 / 3.14  # the official literal: 0.5 / 3.14, not 0.5 / pi
+    spatial_prob: float = 0.8  # probability of resizing at all
+    h_flip_prob: float = 0.5
+    jitter: ColorJitter = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.crop_size = _as_pair(self.crop_size, "crop_size")
+        if self.min_scale > self.max_scale:
+            raise ValueError(f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})")
+        self.jitter = ColorJitter(
+            brightness=self.brightness, contrast=self.contrast, saturation=self.saturation, hue=self.hue
+        )
+
+
+@dataclass(kw_only=True, eq=False)
+class _DenseSpatial(_Augmentor):
     """Scale + stretch, flips and crop shared by the dense flow and the pretraining augmentors."""
 
-    def __init__(
-        self,
-        *,
-        crop_size: Sequence[int],
-        min_scale: float,
-        max_scale: float,
-        do_flip: bool,
-        spatial_prob: float,
-        stretch_prob: float,
-        max_stretch: float,
-        h_flip_prob: float,
-        v_flip_prob: float,
-    ) -> None:
-        self.crop_size = _as_pair(crop_size, "crop_size")
-        if min_scale > max_scale:
-            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.do_flip = do_flip
-        self.spatial_prob = spatial_prob
-        self.stretch_prob = stretch_prob
-        self.max_stretch = max_stretch
-        self.h_flip_prob = h_flip_prob
-        self.v_flip_prob = v_flip_prob
+    asymmetric_prob: float = 0.2  # probability of jittering the two images independently
+    stretch_prob: float = 0.8
+    max_stretch: float = 0.2  # stretch 2^U(-max_stretch, max_stretch) per axis
+    v_flip_prob: float = 0.1
 
     def spatial(
         self, img1: np.ndarray, img2: np.ndarray, flow: np.ndarray | None, rng: np.random.Generator
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         crop_h, crop_w = self.crop_size
         height, width = img1.shape[:2]
-        # Keep 8 px of slack so the crop always fits after resizing (SPEC §6.4).
+        # Keep 8 px of slack so the crop always fits after resizing (the official (crop + 8) / size floor).
         floor = max((crop_h + 8) / height, (crop_w + 8) / width)
         scale_x = scale_y = 2.0 ** rng.uniform(self.min_scale, self.max_scale)
         if rng.random() < self.stretch_prob:
@@ -227,51 +245,18 @@ class _DenseSpatial:
         return img1, img2, flow
 
 
+@dataclass(kw_only=True, eq=False)
 class FlowAugmentor(_DenseSpatial):
-    """Dense-flow augmentation (FlyingChairs, FlyingThings3D, Sintel), SPEC §6.4.
+    """Dense-flow augmentation (FlyingChairs, FlyingThings3D, Sintel): official ``FlowAugmentor``.
 
     Order: colour jitter (asymmetric with probability 0.2) -> eraser on img2 (p=0.5) -> scale
     ``2^U(min_scale, max_scale)`` with stretch ``2^U(-0.2, 0.2)`` per axis (p=0.8), clipped so the crop fits,
-    resize (p=0.8) -> horizontal (p=0.5) and vertical (p=0.1) flips -> random crop. Per-stage values
-    (SPEC §6.3): chairs crop 368x496, scales (-0.1, 1.0); things 432x960, (-0.4, 0.8); sintel mix
-    432x960, (-0.2, 0.6); all with flips.
+    resize (p=0.8) -> horizontal (p=0.5) and vertical (p=0.1) flips -> random crop. Per-stage values (the
+    official ``fetch_dataloader`` in ``core/datasets.py``): chairs crop 368x496, scales (-0.1, 1.0); things
+    432x960, (-0.4, 0.8); sintel mix 432x960, (-0.2, 0.6); all with flips.
     """
 
-    def __init__(
-        self,
-        *,
-        crop_size: Sequence[int],
-        min_scale: float = -0.2,
-        max_scale: float = 0.5,
-        do_flip: bool = True,
-        photometric: bool = True,
-        brightness: float = 0.4,
-        contrast: float = 0.4,
-        saturation: float = 0.4,
-        hue: float = 0.5 / 3.14,
-        asymmetric_prob: float = 0.2,
-        eraser_prob: float = 0.5,
-        spatial_prob: float = 0.8,
-        stretch_prob: float = 0.8,
-        max_stretch: float = 0.2,
-        h_flip_prob: float = 0.5,
-        v_flip_prob: float = 0.1,
-    ) -> None:
-        super().__init__(
-            crop_size=crop_size,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            do_flip=do_flip,
-            spatial_prob=spatial_prob,
-            stretch_prob=stretch_prob,
-            max_stretch=max_stretch,
-            h_flip_prob=h_flip_prob,
-            v_flip_prob=v_flip_prob,
-        )
-        self.photometric = photometric
-        self.jitter = ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
-        self.asymmetric_prob = asymmetric_prob
-        self.eraser_prob = eraser_prob
+    eraser_prob: float = 0.5
 
     def __call__(
         self, img1: np.ndarray, img2: np.ndarray, flow: np.ndarray, rng: np.random.Generator
@@ -284,46 +269,15 @@ class FlowAugmentor(_DenseSpatial):
         return img1, img2, flow  # type: ignore[return-value]
 
 
+@dataclass(kw_only=True, eq=False)
 class ImagePairAugmentor(_DenseSpatial):
-    """MCVA pretraining pair augmentation (``ImageAugmentor``, SPEC §5.1).
+    """MCVA pretraining pair augmentation: FlowFormer++'s ``ImageAugmentor``.
 
     Colour jitter (0.4, 0.4, 0.4, hue 0.5/3.14; asymmetric with probability 0.2), **no eraser**, then the
     dense spatial transform (scale ``2^U(-0.2, 0.6)``, stretch, flips, crop 368x496 in the official recipe).
     """
 
-    def __init__(
-        self,
-        *,
-        crop_size: Sequence[int],
-        min_scale: float = -0.2,
-        max_scale: float = 0.6,
-        do_flip: bool = True,
-        photometric: bool = True,
-        brightness: float = 0.4,
-        contrast: float = 0.4,
-        saturation: float = 0.4,
-        hue: float = 0.5 / 3.14,
-        asymmetric_prob: float = 0.2,
-        spatial_prob: float = 0.8,
-        stretch_prob: float = 0.8,
-        max_stretch: float = 0.2,
-        h_flip_prob: float = 0.5,
-        v_flip_prob: float = 0.1,
-    ) -> None:
-        super().__init__(
-            crop_size=crop_size,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            do_flip=do_flip,
-            spatial_prob=spatial_prob,
-            stretch_prob=stretch_prob,
-            max_stretch=max_stretch,
-            h_flip_prob=h_flip_prob,
-            v_flip_prob=v_flip_prob,
-        )
-        self.photometric = photometric
-        self.jitter = ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
-        self.asymmetric_prob = asymmetric_prob
+    max_scale: float = 0.6
 
     def __call__(
         self, img1: np.ndarray, img2: np.ndarray, rng: np.random.Generator
@@ -338,13 +292,12 @@ class ImagePairAugmentor(_DenseSpatial):
 def resample_sparse_flow(
     flow: np.ndarray, valid: np.ndarray, scale_x: float, scale_y: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Resize sparse flow by scattering its valid points (``resize_sparse_flow_map``, SPEC §6.4).
+    """Resize sparse flow by scattering its valid points (official ``resize_sparse_flow_map``).
 
     flow [H, W, 2], valid [H, W] -> flow [round(H*sy), round(W*sx), 2], valid (float32) of the same size.
     A valid pixel at (x, y) lands on the nearest output pixel of ``((x+0.5)*sx - 0.5, (y+0.5)*sy - 0.5)``,
     the pixel-centre mapping that ``cv2.resize`` uses for the images, and its flow is scaled by (sx, sy).
-    Deviation from the official code, on purpose: it maps x -> x*sx (off by 0.5*(sx-1) px from the resized
-    image) and drops points landing on row 0 or column 0 (a strict ``> 0`` test); we keep both consistent.
+    The official code maps x -> x*sx and drops row 0 and column 0; why we depart: docs/departures.md.
     """
     height, width = flow.shape[:2]
     out_h, out_w = round(height * scale_y), round(width * scale_x)
@@ -361,48 +314,27 @@ def resample_sparse_flow(
     return out_flow, out_valid
 
 
-class SparseFlowAugmentor:
-    """Sparse-flow augmentation (KITTI, HD1K), SPEC §6.4.
+@dataclass(kw_only=True, eq=False)
+class SparseFlowAugmentor(_Augmentor):
+    """Sparse-flow augmentation (KITTI, HD1K): official ``SparseFlowAugmentor``.
 
     Symmetric colour jitter (0.3, 0.3, 0.3, hue 0.3/3.14) -> eraser on img2 (p=0.5) -> zero-pad bottom/right
     when the crop is larger than the image -> scale ``2^U(min_scale, max_scale)`` (no stretch) clipped so the
     crop fits, resize (p=0.8) with the valid points resampled by :func:`resample_sparse_flow` -> horizontal
     flip (p=0.5, only with ``do_flip``) -> crop biased to the borders (offsets drawn from
-    ``[0, h-ch+20)`` and ``[-50, w-cw+50)``, then clipped). Per-stage values (SPEC §6.3): sintel mix KITTI
-    (-0.3, 0.5) and HD1K (-0.5, 0.2) with flip; kitti stage (-0.2, 0.4) without flip; crop 432x960.
+    ``[0, h-ch+20)`` and ``[-50, w-cw+50)``, then clipped). Per-stage values (official ``fetch_dataloader``):
+    sintel mix KITTI (-0.3, 0.5) and HD1K (-0.5, 0.2) with flip; kitti stage (-0.2, 0.4) without flip;
+    crop 432x960.
     """
 
-    def __init__(
-        self,
-        *,
-        crop_size: Sequence[int],
-        min_scale: float = -0.2,
-        max_scale: float = 0.5,
-        do_flip: bool = False,
-        photometric: bool = True,
-        brightness: float = 0.3,
-        contrast: float = 0.3,
-        saturation: float = 0.3,
-        hue: float = 0.3 / 3.14,
-        eraser_prob: float = 0.5,
-        spatial_prob: float = 0.8,
-        h_flip_prob: float = 0.5,
-        margin_y: int = 20,
-        margin_x: int = 50,
-    ) -> None:
-        self.crop_size = _as_pair(crop_size, "crop_size")
-        if min_scale > max_scale:
-            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.do_flip = do_flip
-        self.photometric = photometric
-        self.jitter = ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
-        self.eraser_prob = eraser_prob
-        self.spatial_prob = spatial_prob
-        self.h_flip_prob = h_flip_prob
-        self.margin_y = margin_y
-        self.margin_x = margin_x
+    do_flip: bool = False
+    brightness: float = 0.3
+    contrast: float = 0.3
+    saturation: float = 0.3
+    hue: float = 0.3 / 3.14
+    eraser_prob: float = 0.5
+    margin_y: int = 20
+    margin_x: int = 50
 
     def __call__(
         self,

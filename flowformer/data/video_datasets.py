@@ -1,7 +1,9 @@
-"""Unlabeled video pairs for MCVA pretraining: YouTube-VOS (SPEC §5.1) and any folder of videos or frames.
+"""Unlabeled video pairs for MCVA pretraining: YouTube-VOS (FlowFormer++ ``core/pretrain_maemask_datasets.py``)
+and any folder of videos or frames.
 
 Items are ``img1``, ``img2`` float32 [3, H, W] in 0..255 and ``meta`` (``dataset``, ``name``, ``video``,
-``frame1``, ``frame2``); there is no flow. The MCVA mask is drawn by the model on the fly, not stored here.
+``frame1``, ``frame2``); there is no flow. The MCVA mask is drawn by the model on the fly, not read from the
+official pre-generated ``mae_mask/*.npy`` files (docs/departures.md).
 
 As in the official loader, a pair that cannot be used (a frame fails to read, the two sizes differ, or the
 image is smaller than the augmentor's crop) is skipped for the next index, with a warning; after
@@ -164,7 +166,7 @@ def _image_frames(folder: Path) -> list[Path]:
 
 
 class YouTubeVOS(_PairDataset):
-    """YouTube-VOS, *all-frames* releases (the official MCVA pretraining data, SPEC §5.1).
+    """YouTube-VOS, *all-frames* releases (the official MCVA pretraining data, FlowFormer++ ``YoutubeVOS``).
 
     Expected tree::
 
@@ -176,7 +178,7 @@ class YouTubeVOS(_PairDataset):
     For a video with n frames (sorted by name), and i = 9, 12, 15, ... while i < n - 1, the pairs
     (f[i-9], f[i]) and (f[i], f[i-9]) are added: a 9-frame gap, stride 3, both directions (``frame_gap``
     and ``stride`` change these). ``splits`` lists the sub-trees to read; the official code reads all three.
-    Videos are sorted (the official ``os.listdir`` order is filesystem dependent).
+    Videos are sorted (the official ``os.listdir`` order is filesystem dependent; docs/departures.md).
     """
 
     dataset_name = "youtube_vos"

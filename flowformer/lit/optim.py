@@ -1,4 +1,5 @@
-"""The official optimiser and schedule: AdamW + linear OneCycle, stepped every iteration (SPEC §5.6, §6.2)."""
+"""The official optimiser and schedule: AdamW + linear OneCycle, stepped every iteration, as ``fetch_optimizer``
+builds them for the official ``train_FlowFormer.py`` and FlowFormer++ ``pretrain_FlowFormer_maemask.py``."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def configure_adamw_onecycle(
     module, *, lr: float, weight_decay: float, total_steps: int | None, pct_start: float = 0.05
 ) -> dict:
     """`adamw_onecycle` over `module.backbone`; total_steps None takes trainer.max_steps + 100 as the official
-    loops do (SPEC §5.6, §6.2)."""
+    training loops do (OneCycleLR total_steps = num_steps + 100)."""
     if total_steps is None:
         max_steps = module.trainer.max_steps
         if max_steps is None or max_steps < 1:

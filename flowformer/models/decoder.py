@@ -17,7 +17,7 @@ from flowformer.models.layers import (
 )
 
 QUERY_RADIUS = 4  # 9x9 cost crop around the current target position
-HIDDEN = 128  # GRU state and GRU context-input channels
+HIDDEN = 128  # official GRU state and GRU context-input channels (`decoder_dim` of the published variants)
 HEADS = 8
 
 
@@ -78,12 +78,12 @@ class RelPosEmb(nn.Module):
 
 
 class GMAAttention(nn.Module):
-    """Global motion attention from the context: inp [B, 128, H1, W1] -> softmax map [B, 1, H1*W1, H1*W1].
+    """Global motion attention from the context: inp [B, dim, H1, W1] -> softmax map [B, 1, H1*W1, H1*W1].
 
-    q is scaled by 128^-0.5 before the product (GMA convention). Logits and softmax run in fp32.
+    q is scaled by dim^-0.5 before the product (GMA convention). Logits and softmax run in fp32.
     """
 
-    def __init__(self, *, dim: int = HIDDEN) -> None:
+    def __init__(self, *, dim: int) -> None:
         super().__init__()
         self.scale = dim**-0.5
         self.to_qk = nn.Conv2d(dim, 2 * dim, 1, bias=False)
@@ -119,9 +119,9 @@ class ChunkedAttention:
 
 
 class Aggregate(nn.Module):
-    """motion [B, 128, H, W] + gamma · (attention @ to_v(motion))."""
+    """motion [B, dim, H, W] + gamma · (attention @ to_v(motion))."""
 
-    def __init__(self, *, dim: int = HIDDEN) -> None:
+    def __init__(self, *, dim: int) -> None:
         super().__init__()
         self.to_v = nn.Conv2d(dim, dim, 1, bias=False)
         self.gamma = nn.Parameter(torch.zeros(1))
@@ -138,15 +138,17 @@ class Aggregate(nn.Module):
 
 
 class MotionEncoder(nn.Module):
-    """Official `BasicMotionEncoder`: (flow [B,2,H,W], corr [B,Cc,H,W]) -> motion features [B, 128, H, W]."""
+    """Official `BasicMotionEncoder`: (flow [B,2,H,W], corr [B,Cc,H,W]) -> motion features [B, dim, H, W].
 
-    def __init__(self, *, corr_dim: int) -> None:
+    Its widths are the official ones (256, 192, 128, 64, 126 for dim 128) scaled with dim."""
+
+    def __init__(self, *, corr_dim: int, dim: int) -> None:
         super().__init__()
-        self.convc1 = nn.Conv2d(corr_dim, 256, 1)
-        self.convc2 = nn.Conv2d(256, 192, 3, padding=1)
-        self.convf1 = nn.Conv2d(2, 128, 7, padding=3)
-        self.convf2 = nn.Conv2d(128, 64, 3, padding=1)
-        self.conv = nn.Conv2d(64 + 192, 128 - 2, 3, padding=1)
+        self.convc1 = nn.Conv2d(corr_dim, 2 * dim, 1)
+        self.convc2 = nn.Conv2d(2 * dim, 3 * dim // 2, 3, padding=1)
+        self.convf1 = nn.Conv2d(2, dim, 7, padding=3)
+        self.convf2 = nn.Conv2d(dim, dim // 2, 3, padding=1)
+        self.conv = nn.Conv2d(dim // 2 + 3 * dim // 2, dim - 2, 3, padding=1)
 
     def forward(self, flow: Tensor, corr: Tensor) -> Tensor:
         cor = F.relu(self.convc2(F.relu(self.convc1(corr))))
@@ -182,10 +184,12 @@ class SepConvGRU(nn.Module):
 
 
 class FlowHead(nn.Module):
-    def __init__(self, *, hidden: int = HIDDEN) -> None:
+    """GRU state [B, hidden, H, W] -> flow update [B, 2, H, W] (official width 256 for hidden 128)."""
+
+    def __init__(self, *, hidden: int) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(hidden, 256, 3, padding=1)
-        self.conv2 = nn.Conv2d(256, 2, 3, padding=1)
+        self.conv1 = nn.Conv2d(hidden, 2 * hidden, 3, padding=1)
+        self.conv2 = nn.Conv2d(2 * hidden, 2, 3, padding=1)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv2(F.relu(self.conv1(x)))
@@ -195,13 +199,16 @@ class GMAUpdateBlock(nn.Module):
     """One refinement step: (net, inp, corr, flow, attention) -> (net, up_mask [B,576,H,W], delta [B,2,H,W]);
     up_mask is None when `with_mask` is false (an iteration whose full-resolution flow is not wanted)."""
 
-    def __init__(self, *, corr_dim: int) -> None:
+    def __init__(self, *, corr_dim: int, hidden: int) -> None:
         super().__init__()
-        self.encoder = MotionEncoder(corr_dim=corr_dim)
-        self.gru = SepConvGRU(hidden=HIDDEN, input_dim=3 * HIDDEN)
-        self.flow_head = FlowHead()
-        self.mask = nn.Sequential(nn.Conv2d(HIDDEN, 256, 3, padding=1), nn.ReLU(), nn.Conv2d(256, 64 * 9, 1))
-        self.aggregator = Aggregate()
+        self.encoder = MotionEncoder(corr_dim=corr_dim, dim=hidden)
+        self.gru = SepConvGRU(hidden=hidden, input_dim=3 * hidden)  # input: context, motion, aggregated motion
+        self.flow_head = FlowHead(hidden=hidden)
+        # 8x8 convex-combination weights over a 3x3 neighbourhood; official width 256 for hidden 128
+        self.mask = nn.Sequential(
+            nn.Conv2d(hidden, 2 * hidden, 3, padding=1), nn.ReLU(), nn.Conv2d(2 * hidden, 64 * 9, 1)
+        )
+        self.aggregator = Aggregate(dim=hidden)
 
     def forward(
         self,
@@ -247,8 +254,10 @@ class MemoryDecoder(nn.Module):
         query_source: str,
         recon_size: int | None,
         recon_head_depth: int,
+        hidden_dim: int = HIDDEN,
     ) -> None:
         super().__init__()
+        self.hidden_dim = hidden_dim
         crop_dim = cost_heads * (2 * QUERY_RADIUS + 1) ** 2
         self.flow_token_encoder = nn.Sequential(
             nn.Conv2d(crop_dim, query_dim, 1), nn.GELU(), nn.Conv2d(query_dim, query_dim, 1)
@@ -257,15 +266,15 @@ class MemoryDecoder(nn.Module):
             self.pretrain_head = pretrain_head(
                 query_dim=query_dim, recon_size=recon_size, depth=recon_head_depth
             )
-        self.proj = nn.Conv2d(context_dim, 2 * HIDDEN, 1)
+        self.proj = nn.Conv2d(context_dim, 2 * hidden_dim, 1)
         self.decoder_layer = MemoryDecoderLayer(
             query_dim=query_dim,
             memory_dim=memory_dim,
             concat_shortcut=concat_shortcut,
             query_source=query_source,
         )
-        self.update_block = GMAUpdateBlock(corr_dim=query_dim + crop_dim)
-        self.att = GMAAttention()
+        self.update_block = GMAUpdateBlock(corr_dim=query_dim + crop_dim, hidden=hidden_dim)
+        self.att = GMAAttention(dim=hidden_dim)
 
     def memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
         """cost memory [N, K, D] -> keys, values [N, K, Q], computed once per image pair."""
@@ -312,7 +321,7 @@ class MemoryDecoder(nn.Module):
                     f"got {tuple(flow_init.shape)}"
                 )
             coords1 = coords1 + flow_init
-        net, inp = torch.split(self.proj(context), [HIDDEN, HIDDEN], dim=1)
+        net, inp = torch.split(self.proj(context), [self.hidden_dim, self.hidden_dim], dim=1)
         net, inp = torch.tanh(net), torch.relu(inp)
         attention = self.att(inp, query_chunk)
         cost = as_cost_volume(cost)

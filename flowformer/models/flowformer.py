@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from flowformer.models.cost_encoder import CostPerceiverEncoder
 from flowformer.models.cost_volume import CostVolume, FeatureCostVolume, dense_cost_maps
-from flowformer.models.decoder import MemoryDecoder
+from flowformer.models.decoder import HIDDEN, MemoryDecoder
 from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
 from flowformer.models.token_mask import TokenMask
@@ -65,6 +65,7 @@ class FlowFormer(nn.Module):
         decoder_query: str = "crop_and_pe",
         recon_size: int = 15,
         recon_head_depth: int = 3,
+        decoder_dim: int = HIDDEN,
         tokenize_chunk: int | None = None,
         tokenize_checkpoint: bool = False,
         memory_budget_gb: float | None = None,
@@ -108,6 +109,7 @@ class FlowFormer(nn.Module):
             "decoder_query": decoder_query,
             "recon_size": recon_size,
             "recon_head_depth": recon_head_depth,
+            "decoder_dim": decoder_dim,
             "tokenize_chunk": tokenize_chunk,
             "tokenize_checkpoint": tokenize_checkpoint,
             "memory_budget_gb": memory_budget_gb,
@@ -147,6 +149,7 @@ class FlowFormer(nn.Module):
             query_source=decoder_query,
             recon_size=recon_size if is_pp else None,
             recon_head_depth=recon_head_depth,
+            hidden_dim=decoder_dim,
         )
         self.context_encoder = image_net()
 

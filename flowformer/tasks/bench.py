@@ -1,30 +1,39 @@
-"""task=bench: time one step of cfg.backbone at one input size and report its peak memory.
+"""task=bench: time one step of cfg.backbone and its peak memory, over a list of input sizes, memory paths
+(dense, or bounded by `backbone.memory_budget_gb`) and precisions.
 
 bench.mode picks the step:
   forward:  the eval-mode forward (inference);
   train:    a supervised training step: forward, sequence loss, backward, AdamW step (model=flow's loss);
   pretrain: an MCVA pretraining step of cfg.model (model=mcva): masked encode, query rounds, backward, AdamW.
 
-    python run.py task=bench backbone=flowformer bench.height=432 bench.width=960 bench.device=cuda
-    python run.py task=bench backbone=flowformer bench.mode=train bench.batch_size=8 bench.precision=bf16-mixed
+    python run.py task=bench backbone=flowformer bench.sizes=[[432,960]] bench.device=cuda
+    python run.py task=bench backbone=flowformer bench.sizes=[[368,496],[720,1280],[1080,1920]] \
+        bench.memory_budgets_gb=[null,2] bench.precisions=[32-true,bf16-mixed]
+    python run.py task=bench backbone=flowformer bench.mode=train bench.batch_size=8 bench.precisions=[bf16-mixed]
     python run.py task=bench backbone=flowformer_pp model=mcva bench.mode=pretrain bench.batch_size=8
-    python run.py task=bench backbone=tiny bench.device=cpu bench.repeats=3
 
-Writes <run dir>/bench.json and returns the mean seconds per step.
+Every row (size x memory path x precision) runs in a fresh process, so its peak memory is its own (a CPU
+process's peak RSS only grows) and a row that runs out of memory is recorded as such instead of ending the
+benchmark. Writes <run dir>/bench.json (the machine and every row), bench.md (the table) and bench.png (time and
+peak memory against megapixels, one line per path and precision). Returns the first row's mean seconds per step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
+import platform
 import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from flowformer.lit.mcva import MCVAPretrainModule
@@ -32,6 +41,8 @@ from flowformer.losses import sequence_loss
 from flowformer.tasks.runtime import autocast_context, load_network, pick_device
 
 log = logging.getLogger(__name__)
+
+MODES = ("forward", "train", "pretrain")
 
 
 def peak_rss_mib() -> float:
@@ -42,16 +53,13 @@ def peak_rss_mib() -> float:
 def build_step(
     cfg: DictConfig, device: torch.device, image1: Tensor, image2: Tensor
 ) -> tuple[nn.Module, Callable[[], None]]:
-    """(the network, one benchmark step of bench.mode on the given images [B,3,H,W])."""
+    """(the network, one benchmark step of bench.mode on the given images [B,3,H,W]) at `bench.precision`."""
     bench = cfg.bench
-    modes = ("forward", "train", "pretrain")
-    if bench.mode not in modes:
-        raise ValueError(f"bench.mode={bench.mode!r}: expected one of {modes}")
     if bench.mode == "forward":
         net = load_network(cfg.backbone, None, device)  # timing only: random weights
 
         def forward() -> None:
-            with torch.inference_mode(), autocast_context(device, bench.precision, "bench.precision"):
+            with torch.inference_mode(), autocast_context(device, bench.precision, "bench.precisions"):
                 net(image1, image2, iters=bench.iters)
 
         return net, forward
@@ -78,7 +86,7 @@ def build_step(
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with autocast_context(device, bench.precision, "bench.precision"):
+        with autocast_context(device, bench.precision, "bench.precisions"):
             value = loss()
         value.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -87,16 +95,27 @@ def build_step(
     return net, train_step
 
 
-def run(cfg: DictConfig) -> float:
+def row_config(cfg: DictConfig, size: list[int], budget_gb: float | None, precision: str) -> DictConfig:
+    """What one row's process needs (seed, bench, backbone, model) as plain values, with `bench.height/width/
+    precision` and `backbone.memory_budget_gb` set to the row's. Only these nodes are resolved: resolving the
+    whole config would claim another run directory (`paths.output_dir` is `${fresh_dir:...}`)."""
+    row = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("bench", "backbone", "model")}
+    row["bench"] |= {"height": size[0], "width": size[1], "precision": precision}
+    row["backbone"]["memory_budget_gb"] = budget_gb
+    row["model"]["backbone"] = row["backbone"]
+    return OmegaConf.create({"seed": cfg.seed, **row})
+
+
+def measure(cfg: DictConfig) -> dict[str, Any]:
+    """Time `bench.repeats` steps after `bench.warmup` ones at bench.height x bench.width, in this process."""
     bench = cfg.bench
-    if bench.height % 8 or bench.width % 8:
-        raise ValueError(f"bench.height/width must be multiples of 8; got {bench.height}x{bench.width}")
     device = pick_device(bench.device)
     torch.manual_seed(cfg.seed)
     shape = (bench.batch_size, 3, bench.height, bench.width)
     image1 = torch.rand(shape, device=device) * 255  # [B,3,H,W] in 0..255
     image2 = torch.rand(shape, device=device) * 255
     net, step = build_step(cfg, device, image1, image2)
+    built_rss = peak_rss_mib()
 
     def timed_step() -> None:
         step()
@@ -112,27 +131,149 @@ def run(cfg: DictConfig) -> float:
         start = time.perf_counter()
         timed_step()
         seconds.append(time.perf_counter() - start)
-
     result = {
-        "mode": bench.mode,
-        "backbone": cfg.backbone.get("_target_"),
-        "variant": cfg.backbone.get("variant"),
-        "size": [bench.height, bench.width],
-        "batch_size": bench.batch_size,
-        "iters": bench.iters,
-        "precision": bench.precision,
-        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "status": "ok",
         "mean_s": sum(seconds) / len(seconds),
         "min_s": min(seconds),
         "parameters_m": sum(p.numel() for p in net.parameters()) / 1e6,
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
     }
     if device.type == "cuda":
         result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        result["peak_rss_mib"] = peak_rss_mib()  # whole process, including the warm-up
-    output = Path(cfg.paths.output_dir) / "bench.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2))
-    log.info("bench: %s", json.dumps(result))
-    print(json.dumps(result, indent=2))
-    return result["mean_s"]
+        # whole process: interpreter, torch and the weights (`built_rss_mib`, before any input) plus the step
+        result |= {"peak_rss_mib": peak_rss_mib(), "built_rss_mib": built_rss}
+    return result
+
+
+def _measure_in_child(config: dict, results: multiprocessing.Queue) -> None:
+    cfg = OmegaConf.create(config)
+    try:
+        results.put(measure(cfg))
+    except torch.OutOfMemoryError as error:
+        results.put({"status": "out of memory", "error": str(error).splitlines()[0]})
+
+
+def measure_isolated(cfg: DictConfig, timeout_s: float | None) -> dict[str, Any]:
+    """`measure(cfg)` in a fresh (spawned) process; a process killed on the way (e.g. by the kernel's OOM
+    killer) or past `timeout_s` gives a row with that status instead of an exception."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_measure_in_child, args=(OmegaConf.to_container(cfg), results))
+    child.start()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return {"status": f"stopped after bench.timeout_s={timeout_s}"}
+    if child.exitcode != 0:
+        killed = child.exitcode < 0 and -child.exitcode == 9
+        return {"status": "killed (out of memory?)" if killed else f"failed (exit code {child.exitcode})"}
+    return results.get()
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    info = {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def path_label(budget_gb: float | None) -> str:
+    return "dense" if budget_gb is None else f"budget {budget_gb:g} GB"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    memory_key = "peak_gpu_mib" if any("peak_gpu_mib" in row for row in rows) else "peak_rss_mib"
+    memory_title = "peak GPU allocated" if memory_key == "peak_gpu_mib" else "peak RSS"
+    lines = [
+        f"| size | megapixels | path | precision | seconds per step | {memory_title} | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        seconds = f"{row['mean_s']:.3f}" if "mean_s" in row else "-"
+        memory = f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-"
+        lines.append(
+            f"| {row['height']}x{row['width']} | {row['megapixels']:.2f} | {row['path']} | {row['precision']} "
+            f"| {seconds} | {memory} | {row['status']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
+    """Time and peak memory against megapixels, one line per (path, precision)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    memory_key = "peak_gpu_mib" if any("peak_gpu_mib" in row for row in rows) else "peak_rss_mib"
+    figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys(f"{row['path']}, {row['precision']}" for row in rows):
+        done = [row for row in rows if f"{row['path']}, {row['precision']}" == label and row["status"] == "ok"]
+        megapixels = [row["megapixels"] for row in done]
+        time_axis.plot(megapixels, [row["mean_s"] for row in done], marker="o", label=label)
+        memory_axis.plot(megapixels, [row[memory_key] / 1024 for row in done], marker="o", label=label)
+    time_axis.set(xlabel="megapixels", ylabel="seconds per step", title="time")
+    memory_axis.set(
+        xlabel="megapixels",
+        ylabel="GiB",
+        title="peak GPU memory allocated" if memory_key == "peak_gpu_mib" else "peak RSS of the process",
+    )
+    for axis in (time_axis, memory_axis):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+def run(cfg: DictConfig) -> float:
+    bench = cfg.bench
+    if bench.mode not in MODES:
+        raise ValueError(f"bench.mode={bench.mode!r}: expected one of {MODES}")
+    for size in bench.sizes:
+        if len(size) != 2 or size[0] % 8 or size[1] % 8:
+            raise ValueError(f"bench.sizes: each size is [height, width], both multiples of 8; got {list(size)}")
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in bench.sizes:
+        for budget_gb in bench.memory_budgets_gb:
+            for precision in bench.precisions:
+                row = {
+                    "height": size[0],
+                    "width": size[1],
+                    "megapixels": size[0] * size[1] / 1e6,
+                    "path": path_label(budget_gb),
+                    "memory_budget_gb": budget_gb,
+                    "precision": precision,
+                }
+                log.info("bench: %s", row)
+                row |= measure_isolated(row_config(cfg, size, budget_gb, precision), bench.timeout_s)
+                log.info("bench: %s", json.dumps(row))
+                rows.append(row)
+    setup = {
+        key: cfg.bench[key] for key in ("mode", "batch_size", "iters", "warmup", "repeats", "device")
+    } | {"backbone": cfg.backbone.get("variant"), "image_encoder": cfg.backbone.get("image_encoder")}
+    about = machine()
+    (output_dir / "bench.json").write_text(json.dumps({"machine": about, "setup": setup, "rows": rows}, indent=2))
+    table = markdown_table(rows)
+    (output_dir / "bench.md").write_text(table)
+    title = f"{setup} on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
+    plot(rows, title, output_dir / "bench.png")
+    print(f"{title}\n{table}\nwrote {output_dir / 'bench.json'}, bench.md, bench.png")
+    return rows[0].get("mean_s", float("nan"))
