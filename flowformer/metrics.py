@@ -4,15 +4,17 @@ Every metric keeps *sums* (never running means) in float64 states with ``dist_re
 division happens once in ``compute``. Two averagings exist and every metric says which one it uses:
 
 - **pixel-pooled**: one mean over all counted pixels of all images (big images weigh more). Used by the
-  official Sintel / Chairs EPE and px fractions and by the official KITTI F1-all (SPEC §7.1).
-- **per-image**: the mean over images of each image's own mean. Used by the official KITTI EPE (SPEC §7.1).
+  official Sintel / Chairs EPE and px fractions and by the official KITTI F1-all (``evaluate_FlowFormer.py``).
+- **per-image**: the mean over images of each image's own mean. Used by the official KITTI EPE.
 
-Definitions (SPEC §6.1, §7.1):
+Definitions (the official ``core/loss.py`` and ``evaluate_FlowFormer.py``):
 - ``epe = ||f_pred - f_gt||_2`` per pixel.
 - ``1px`` / ``3px`` / ``5px``: the *fraction* (0..1) of counted pixels with epe < 1, 3, 5.
 - ``f1_all``: the *percentage* (0..100) of counted pixels with ``epe > 3 AND epe / |f_gt| > 0.05`` (the code
   and the KITTI benchmark use AND; the paper's text says "or").
 - Sintel speed bins: EPE over pixels with ``|f_gt|`` in [0, 10), [10, 40) and [40, inf).
+
+The bundles at the end (``SET_METRICS``, one per metric kind) are what validation and task=eval report.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def endpoint_error(pred: Tensor, gt: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def f1_outliers(epe: Tensor, mag: Tensor) -> Tensor:
-    """KITTI outliers: epe > 3 px AND epe > 5 % of |gt| (SPEC §7.1). Written without a division, so |gt| = 0
-    gives the same answer as the official ``epe / mag > 0.05`` (inf > 0.05) without a 0/0."""
+    """KITTI outliers: epe > 3 px AND epe > 5 % of |gt|, as the official ``validate_kitti``. Written without a
+    division, so |gt| = 0 gives the same answer as the official ``epe / mag > 0.05`` (inf > 0.05) without a 0/0."""
     return (epe > 3.0) & (epe > 0.05 * mag)
 
 
@@ -74,7 +76,7 @@ class FlowMetrics(Metric):
 
     ``update(pred, gt, valid=None)`` with pred/gt [B,2,H,W] and valid [B,H,W] (None: every pixel counts, as
     in the official Sintel and Chairs validation). ``max_flow`` additionally drops pixels with
-    ``|gt| >= max_flow`` (the training loss mask of SPEC §6.1 uses 400); None keeps them.
+    ``|gt| >= max_flow`` (the official training loss mask of ``core/loss.py`` uses 400); None keeps them.
     ``compute()`` -> ``{"epe", "1px", "3px", "5px", "f1_all"}``.
     """
 
@@ -141,13 +143,10 @@ class SpeedBinnedEPE(Metric):
         return {name: means[i] for i, (name, _, _) in enumerate(SPEED_BINS)}
 
 
-class KittiMetrics(Metric):
-    """KITTI-2015 EPE and F1-all (%), each in both averagings, over the valid (sparse) ground truth:
-
-    - ``epe_per_image`` (the official kitti-epe) and ``epe_pooled``;
-    - ``f1_all_pooled`` (the official kitti-f1) and ``f1_all_per_image``.
-
-    Images without a single valid pixel are left out of the per-image means (the official code would give NaN).
+class PerImageMetrics(Metric):
+    """EPE and F1-all (%) averaged **per image** over the valid pixels: each image's own mean, then the mean over
+    images (``epe_per_image``, ``f1_all_per_image``). Images without a single valid pixel are left out (the
+    official KITTI code would give NaN for them).
     """
 
     full_state_update = False
@@ -155,66 +154,115 @@ class KittiMetrics(Metric):
 
     def __init__(self) -> None:
         super().__init__()
-        for name in ("img_epe_sum", "img_f1_sum", "images", "px_epe_sum", "px_outliers", "pixels"):
+        for name in ("epe_sum", "f1_sum", "images"):
             self.add_state(name, default=_sum_state(), dist_reduce_fx="sum")
 
     def update(self, pred: Tensor, gt: Tensor, valid: Tensor) -> None:
         epe, mag = endpoint_error(pred, gt)
         mask = _valid_mask(epe, valid, mag, None)
-        out = f1_outliers(epe, mag) & mask
-        n_img = mask.flatten(1).sum(1).double()  # [B] valid pixels per image
-        epe_img = torch.where(mask, epe, 0.0).flatten(1).double().sum(1)
-        out_img = out.flatten(1).sum(1).double()
-        has_px = n_img > 0
-        self.img_epe_sum += (epe_img[has_px] / n_img[has_px]).sum()
-        self.img_f1_sum += (out_img[has_px] / n_img[has_px]).sum()
+        pixels = mask.flatten(1).sum(1).double()  # [B] valid pixels per image
+        epe_sums = torch.where(mask, epe, 0.0).flatten(1).double().sum(1)
+        outliers = (f1_outliers(epe, mag) & mask).flatten(1).sum(1).double()
+        has_px = pixels > 0
+        self.epe_sum += (epe_sums[has_px] / pixels[has_px]).sum()
+        self.f1_sum += (outliers[has_px] / pixels[has_px]).sum()
         self.images += has_px.sum()
-        self.px_epe_sum += epe_img.sum()
-        self.px_outliers += out_img.sum()
-        self.pixels += n_img.sum()
 
     def compute(self) -> dict[str, Tensor]:
-        images, pixels = self.images.clamp_min(1.0), self.pixels.clamp_min(1.0)
-        return {
-            "epe_per_image": self.img_epe_sum / images,
-            "epe_pooled": self.px_epe_sum / pixels,
-            "f1_all_per_image": 100.0 * self.img_f1_sum / images,
-            "f1_all_pooled": 100.0 * self.px_outliers / pixels,
-        }
+        images = self.images.clamp_min(1.0)
+        return {"epe_per_image": self.epe_sum / images, "f1_all_per_image": 100.0 * self.f1_sum / images}
 
 
-class ValidationMetrics(nn.Module):
-    """One validation set's metrics: `FlowMetrics` (pixel-pooled EPE, 1/3/5 px, F1-all) for every set. For a set
-    named `kitti`, `KittiMetrics` adds the per-image averaging: `epe` becomes the official per-image kitti-epe
-    (the pooled one stays as `epe_pooled`), `f1_all` stays pooled (the official kitti-f1) and
-    `f1_all_per_image` joins it (SPEC §7.1)."""
+class SetMetrics(nn.Module):
+    """The metrics of one kind of evaluation set, the same in validation (logged as ``val/<set>/<key>``) and in
+    task=eval (``eval_results.json``). ``update(pred, gt, valid)`` with pred/gt [B,2,H,W] and valid [B,H,W];
+    ``compute()`` -> {key: 0-dim tensor}; ``reset()``. A new metric goes into the bundle of each kind it
+    belongs to, a new kind into ``SET_METRICS``.
+    """
 
-    def __init__(self, name: str) -> None:
+    kind: str
+    uses_valid_mask = True
+
+    def __init__(self, **parts: Metric) -> None:
         super().__init__()
-        self.flow = FlowMetrics()
-        self.kitti = KittiMetrics() if name == "kitti" else None
+        self.parts = nn.ModuleDict(parts)
 
     @property
     def update_called(self) -> bool:
-        return self.flow.update_called
+        return any(part.update_called for part in self.parts.values())
 
     def update(self, pred: Tensor, gt: Tensor, valid: Tensor | None) -> None:
-        self.flow.update(pred, gt, valid)
-        if self.kitti is not None:
-            self.kitti.update(pred, gt, valid)
+        if not self.uses_valid_mask:
+            valid = None
+        elif valid is None:
+            raise ValueError(f"'{self.kind}' metrics count the valid pixels: every item needs `valid` [H,W]")
+        for part in self.parts.values():
+            part.update(pred, gt, valid)
 
     def compute(self) -> dict[str, Tensor]:
-        values = self.flow.compute()
-        if self.kitti is not None:
-            kitti = self.kitti.compute()
-            values |= {
-                "epe": kitti["epe_per_image"],
-                "epe_pooled": values["epe"],
-                "f1_all_per_image": kitti["f1_all_per_image"],
-            }
-        return values
+        raise NotImplementedError
 
     def reset(self) -> None:
-        self.flow.reset()
-        if self.kitti is not None:
-            self.kitti.reset()
+        for part in self.parts.values():
+            part.reset()
+
+
+class FlowSetMetrics(SetMetrics):
+    """Kind ``flow`` (FlyingChairs, the synthetic pairs): ``epe``, ``1px``, ``3px``, ``5px`` and ``f1_all``,
+    pixel-pooled over the valid pixels."""
+
+    kind = "flow"
+
+    def __init__(self) -> None:
+        super().__init__(pooled=FlowMetrics())
+
+    def compute(self) -> dict[str, Tensor]:
+        return self.parts["pooled"].compute()
+
+
+class SintelSetMetrics(SetMetrics):
+    """Kind ``sintel``: ``epe``, ``1px``, ``3px``, ``5px`` and the speed bins ``s0-10``, ``s10-40``, ``s40+``,
+    pixel-pooled over **every pixel**: the official ``validate_sintel`` (``evaluate_FlowFormer.py``) applies no
+    valid mask, so the mask of the items is ignored. F1-all is not a Sintel metric and is not reported."""
+
+    kind = "sintel"
+    uses_valid_mask = False
+
+    def __init__(self) -> None:
+        super().__init__(pooled=FlowMetrics(), speed=SpeedBinnedEPE())
+
+    def compute(self) -> dict[str, Tensor]:
+        values = self.parts["pooled"].compute()
+        del values["f1_all"]
+        return values | self.parts["speed"].compute()
+
+
+class KittiSetMetrics(SetMetrics):
+    """Kind ``kitti``, over the valid (sparse) pixels, as the official ``validate_kitti``:
+
+    - ``epe``: the official kitti-epe, **per image** (each image's mean EPE, then the mean over images);
+      ``epe_pooled`` beside it;
+    - ``f1_all``: the official kitti-f1, **pixel-pooled**; ``f1_all_per_image`` beside it;
+    - ``1px``, ``3px``, ``5px``: pixel-pooled.
+    """
+
+    kind = "kitti"
+
+    def __init__(self) -> None:
+        super().__init__(pooled=FlowMetrics(), per_image=PerImageMetrics())
+
+    def compute(self) -> dict[str, Tensor]:
+        pooled, per_image = self.parts["pooled"].compute(), self.parts["per_image"].compute()
+        return pooled | {
+            "epe": per_image["epe_per_image"],
+            "epe_pooled": pooled["epe"],
+            "f1_all_per_image": per_image["f1_all_per_image"],
+        }
+
+
+# metric kind -> its bundle; conf/eval/sets/*.yaml name the kind of each set
+SET_METRICS: dict[str, type[SetMetrics]] = {
+    "flow": FlowSetMetrics,
+    "sintel": SintelSetMetrics,
+    "kitti": KittiSetMetrics,
+}

@@ -1,4 +1,4 @@
-"""Official padding modes (SPEC §7.2) and Gaussian tiling (SPEC §7.3)."""
+"""Official padding modes (`core/utils/utils.py` and `evaluate_FlowFormer_tile.py`) and Gaussian tiling."""
 
 import pytest
 import torch

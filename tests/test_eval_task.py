@@ -16,9 +16,10 @@ from torch.utils.data import Dataset
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.eval.padding import InputPadder
+from flowformer.eval.protocol import EvalSet, Protocol
 from flowformer.metrics import FlowMetrics
 from flowformer.models import save_backbone
-from flowformer.tasks.eval import Protocol, evaluate_set, format_table, predict_flow, run
+from flowformer.tasks.eval import evaluate_set, format_table, run
 
 
 class ConstantFlowSet(Dataset):
@@ -65,10 +66,12 @@ CPU = torch.device("cpu")
 
 def test_sintel_protocol_pads_uses_iters_and_reports_speed_bins() -> None:
     net = RecordingNet((0.0, 0.0))  # error = |gt| = 5 on every pixel
-    protocol = Protocol(name="sintel_clean", kind="sintel", iters=32, pad_mode="sintel")
-    result = evaluate_set(net, ConstantFlowSet([(36, 60), (36, 60)], valid_rows=0), protocol, device=CPU)
+    protocol = Protocol(kind="sintel", iters=32, pad_mode="sintel")
+    data = ConstantFlowSet([(36, 60), (36, 60)], valid_rows=0)
+    result = evaluate_set(net, data, protocol, name="sintel_clean", device=CPU)
     assert net.calls == [((40, 64), 32)] * 2  # 'sintel' padding to multiples of 8, FF's 32 iterations
-    # Sintel ignores the valid mask (all pixels count, SPEC §7.1), so an all-invalid mask changes nothing
+    # Sintel ignores the valid mask (all pixels count, as the official validate_sintel), so an all-invalid
+    # mask changes nothing
     assert result["epe"] == pytest.approx(5.0)
     assert result["1px"] == result["3px"] == result["5px"] == 0.0
     assert result["s0-10"] == pytest.approx(5.0)
@@ -77,46 +80,54 @@ def test_sintel_protocol_pads_uses_iters_and_reports_speed_bins() -> None:
 
 def test_kitti_protocol_uses_valid_pixels_and_labels_both_averagings() -> None:
     net = RecordingNet((3.0, 0.0))  # error (0, 4) -> epe 4 > 3 and > 5 % of 5: every pixel is an outlier
-    protocol = Protocol(name="kitti", kind="kitti", iters=24)
+    protocol = Protocol(kind="kitti", iters=24)
     data = ConstantFlowSet([(20, 30), (20, 62)], valid_rows=5)
-    result = evaluate_set(net, data, protocol, device=CPU)
-    assert result["epe_per_image"] == pytest.approx(4.0)
+    result = evaluate_set(net, data, protocol, name="kitti", device=CPU)
+    assert result["epe"] == pytest.approx(4.0)  # per image, the official kitti-epe
     assert result["epe_pooled"] == pytest.approx(4.0)
-    assert result["f1_all_pooled"] == pytest.approx(100.0)
+    assert result["f1_all"] == pytest.approx(100.0)  # pooled, the official kitti-f1
     assert result["f1_all_per_image"] == pytest.approx(100.0)
     assert [iters for _, iters in net.calls] == [24, 24]
 
 
 def test_tiled_protocol_runs_the_official_tile_grid() -> None:
     net = RecordingNet((3.0, 4.0))  # perfect prediction -> EPE 0 after blending
-    protocol = Protocol(name="kitti", kind="kitti", iters=2, tile_size=(24, 40), tile_pad_mode="kitti376")
+    protocol = Protocol(kind="kitti", iters=2, tile=True, tile_size=(24, 40), tile_pad_mode="kitti376")
     with pytest.raises(ValueError, match="376"):
-        evaluate_set(net, ConstantFlowSet([(380, 60)]), protocol, device=CPU, tile=True)
-    protocol = Protocol(name="synthetic", kind="flow", iters=2, tile_size=(24, 40))
-    result = evaluate_set(net, ConstantFlowSet([(30, 60)]), protocol, device=CPU, tile=True, min_overlap=8)
+        evaluate_set(net, ConstantFlowSet([(380, 60)]), protocol, name="kitti", device=CPU)
+    protocol = Protocol(kind="flow", iters=2, tile=True, tile_size=(24, 40), min_overlap=8)
+    result = evaluate_set(net, ConstantFlowSet([(30, 60)]), protocol, name="synthetic", device=CPU)
     # hs = [0, 6], ws = [0, 20] (last entries flush with the border): 4 tiles of 24x40
     assert net.calls == [((24, 40), 2)] * 4
     assert result["epe"] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_predict_flow_tiling_needs_a_tile_size() -> None:
-    protocol = Protocol(name="chairs", kind="flow", iters=1)
-    image = torch.zeros(1, 3, 16, 16)
+def test_tiling_needs_a_tile_size_and_refuses_a_warm_start() -> None:
     with pytest.raises(ValueError, match="tile_size"):
-        predict_flow(lambda a, b: torch.zeros(1, 2, 16, 16), image, image, protocol, tile=True)
+        Protocol(kind="flow", iters=1, tile=True)
+    image = torch.zeros(1, 3, 16, 16)
+    tiled = Protocol(kind="flow", iters=1, tile=True, tile_size=(8, 8), min_overlap=2)
+    with pytest.raises(ValueError, match="flow_init"):
+        tiled.predict(RecordingNet((0.0, 0.0)), image, image, flow_init=torch.zeros(1, 2, 2, 2))
 
 
-def test_protocol_from_config_and_table() -> None:
+def test_eval_set_checks_its_config_and_table() -> None:
     with pytest.raises(ValueError, match="kind"):
-        Protocol.from_config("x", {"kind": "middlebury"})
-    with pytest.raises(ValueError, match="tile_szie"):
-        Protocol.from_config("x", {"kind": "flow", "tile_szie": [8, 8]})
-    protocol = Protocol.from_config("kitti", {"kind": "kitti", "iters": 24, "tile_size": [376, 720]})
-    assert protocol.tile_size == (376, 720) and protocol.pad_mode == "sintel"
+        EvalSet(ConstantFlowSet([(8, 8)]), kind="middlebury")
+    with pytest.raises(ValueError, match="pad_mode"):
+        EvalSet(ConstantFlowSet([(8, 8)]), kind="flow", pad_mode="reflect")
+    with pytest.raises(Exception, match="tile_szie"):
+        hydra.utils.instantiate(
+            {"_target_": "flowformer.eval.protocol.EvalSet", "dataset": None, "kind": "flow", "tile_szie": [8, 8]}
+        )
+    eval_set = EvalSet(ConstantFlowSet([(8, 8)]), kind="kitti", iters=24, tile_size=[376, 720])
+    protocol = eval_set.protocol(eval_set.iters, tile=True)
+    assert (protocol.tile_size, protocol.pad_mode, protocol.iters) == ((376, 720), "sintel", 24)
     table = format_table(
-        {"sintel_clean": {"epe": 1.0, "s40+": float("nan")}, "kitti": {"epe_per_image": 2.0}}
+        {"sintel_clean": {"epe": 1.0, "s40+": float("nan")}, "kitti": {"epe": 2.0}},
+        {"sintel_clean": "sintel", "kitti": "kitti"},
     )
-    assert "sintel_clean" in table and "1.0000" in table and "kitti-epe = epe_per_image" in table
+    assert "sintel_clean" in table and "1.0000" in table and "kitti-epe = epe (per-image mean)" in table
 
 
 def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None:
@@ -205,10 +216,13 @@ def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path, caplog) -
 
 @pytest.mark.parametrize("preset", ["flowformer", "flowformer_pp"])
 def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
-    """SPEC §7.2-7.3, §9.1.10: iterations, padding and tile protocols per set and variant."""
+    """The official iterations (FF: 32 Sintel, 24 KITTI; FF++: 12), padding and tile protocols per set."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["task=eval", f"eval={preset}"])
-    sets = {name: Protocol.from_config(name, node) for name, node in cfg.eval.benchmarks.items()}
+    cfg.eval.benchmarks = {  # empty lists stand in for the datasets: the protocols need no data trees
+        name: {**node, "dataset": {"_target_": "builtins.list"}} for name, node in cfg.eval.benchmarks.items()
+    }
+    sets = {name: hydra.utils.instantiate(node) for name, node in cfg.eval.benchmarks.items()}
     ff = preset == "flowformer"
     assert cfg.eval.sigma == 0.05 and cfg.eval.min_overlap == 20 and cfg.eval.precision == "32-true"
     for name in ("sintel_clean", "sintel_final", "sintel_test_clean", "sintel_test_final"):

@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, default_collate
 
 from flowformer.data.synthetic import SyntheticFlowDataset
+from flowformer.eval.protocol import EvalSet
 from flowformer.lit.flow import FlowModule, NonFiniteLossError
-from flowformer.metrics import ValidationMetrics
 from flowformer.models.checkpoint import LIGHTNING_PREFIX
 
 SIZE = (64, 96)
@@ -82,7 +82,7 @@ def test_fit_logs_named_val_metrics_panels_and_checkpoint_loads_weights_only(tmp
     assert checkpoint["global_step"] == 2
     assert checkpoint["hyper_parameters"]["backbone"]["_target_"] == "flowformer.models.build_flowformer"
     assert all(key.startswith(LIGHTNING_PREFIX) for key in checkpoint["state_dict"])  # what init_from reads
-    # OneCycle length is trainer.max_steps + 100 (SPEC §6.2)
+    # OneCycle length is trainer.max_steps + 100, as the official training loops
     assert checkpoint["lr_schedulers"][0]["total_steps"] == 102
     restored = FlowModule.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     for key, value in module.state_dict().items():
@@ -165,28 +165,16 @@ def test_pixel_noise_stays_in_range_and_changes_images():
     assert not torch.equal(noisy1, image) and not torch.equal(noisy1, noisy2)
 
 
-def test_kitti_validation_reports_the_official_averaging():
-    """val/kitti/epe is the per-image mean and val/kitti/f1_all pooled (SPEC §7.1); other sets pool the EPE."""
-    gt = torch.zeros(2, 2, 4, 4)
-    pred = torch.zeros_like(gt)
-    pred[0, 0], pred[1, 0] = 1.0, 10.0  # EPE 1 everywhere in image 0, 10 in image 1
-    valid = torch.zeros(2, 4, 4)
-    valid[0], valid[1, 0, 0] = 1.0, 1.0  # 16 valid pixels in image 0, one in image 1
-    kitti, sintel = ValidationMetrics("kitti"), ValidationMetrics("sintel_clean")
-    for metrics in (kitti, sintel):
-        metrics.update(pred, gt, valid)
-    k, s = kitti.compute(), sintel.compute()
-    assert float(k["epe"]) == pytest.approx((1 + 10) / 2)
-    assert float(k["epe_pooled"]) == pytest.approx(float(s["epe"])) == pytest.approx((16 + 10) / 17)
-    assert float(k["f1_all"]) == pytest.approx(100 / 17)  # the one EPE-10 pixel is the only outlier
-    assert float(k["f1_all_per_image"]) == pytest.approx(50.0)
-    assert "epe_pooled" not in s
-
-
-def test_validation_step_uses_the_kitti_metrics_for_a_kitti_set():
+def test_validation_scores_each_set_with_the_bundle_of_its_kind():
+    """A set's kind, not its name, picks its metrics: val/<set>/epe of a kitti set is the per-image mean."""
     module = make_module()
-    module.val_names = ["kitti"]
-    batch = default_collate([SyntheticFlowDataset(num_samples=1, size=SIZE, seed=3)[0]])
-    module.validation_step(batch, batch_idx=0)
-    assert module.val_metrics["kitti"].update_called
-    assert set(module.val_metrics["kitti"].compute()) >= {"epe", "epe_pooled", "f1_all", "f1_all_per_image"}
+    data = SyntheticFlowDataset(num_samples=1, size=SIZE, seed=3)
+    module.set_validation_sets({"a": EvalSet(data, kind="kitti"), "kitti": EvalSet(data, kind="sintel"), "b": data})
+    assert [module.val_protocols[name].kind for name in ("a", "kitti", "b")] == ["kitti", "sintel", "flow"]
+    batch = default_collate([data[0]])
+    module.validation_step(batch, batch_idx=0, dataloader_idx=0)
+    module.validation_step(batch, batch_idx=0, dataloader_idx=1)
+    assert set(module.val_metrics["a"].compute()) >= {"epe", "epe_pooled", "f1_all", "f1_all_per_image"}
+    assert "epe_pooled" not in module.val_metrics["kitti"].compute()
+    with pytest.raises(ValueError, match="model.val_iters"):
+        module.set_validation_sets({"a": EvalSet(data, kind="kitti", iters=24)})

@@ -1,11 +1,18 @@
-"""Flow metrics against hand-computed cases (SPEC §6.1, §7.1)."""
+"""Flow metrics and the per-kind bundles against hand-computed cases."""
 
 import math
 
 import pytest
 import torch
 
-from flowformer.metrics import FlowMetrics, KittiMetrics, SpeedBinnedEPE
+from flowformer.metrics import (
+    FlowMetrics,
+    FlowSetMetrics,
+    KittiSetMetrics,
+    PerImageMetrics,
+    SintelSetMetrics,
+    SpeedBinnedEPE,
+)
 
 
 def _flows(gt_uv: list[tuple[float, float]], err_uv: list[tuple[float, float]]) -> tuple[torch.Tensor, ...]:
@@ -29,6 +36,10 @@ def test_flow_metrics_all_pixels() -> None:
     assert r["3px"].item() == pytest.approx(2 / 4)
     assert r["5px"].item() == pytest.approx(3 / 4)
     assert r["f1_all"].item() == pytest.approx(25.0)
+    # kind `flow` counts the valid pixels; with every pixel valid that is the all-pixel mean above
+    masked = FlowSetMetrics()
+    masked.update(PRED, GT, torch.ones(1, 1, 4))
+    assert all(masked.compute()[k].item() == pytest.approx(v.item()) for k, v in r.items())
 
 
 def test_flow_metrics_valid_mask_and_max_flow() -> None:
@@ -82,14 +93,30 @@ def test_kitti_per_image_vs_pooled() -> None:
     pred[0, 0, 0, 1] += 100.0
     pred[1, 1] += 1.0
     valid = torch.tensor([[[1.0, 0.0]], [[1.0, 1.0]]])
-    m = KittiMetrics()
-    m.update(pred, gt, valid)
-    m.update(pred[:1], gt[:1], torch.zeros(1, 1, 2))
-    r = m.compute()
-    assert r["epe_per_image"].item() == pytest.approx((4 + 1) / 2)
+    per_image, kitti = PerImageMetrics(), KittiSetMetrics()
+    for m in (per_image, kitti):
+        m.update(pred, gt, valid)
+        m.update(pred[:1], gt[:1], torch.zeros(1, 1, 2))
+    assert per_image.compute()["epe_per_image"].item() == pytest.approx((4 + 1) / 2)
+    r = kitti.compute()
+    assert r["epe"].item() == pytest.approx((4 + 1) / 2)  # the official kitti-epe: per image
     assert r["epe_pooled"].item() == pytest.approx((4 + 1 + 1) / 3)
     assert r["f1_all_per_image"].item() == pytest.approx((100 + 0) / 2)
-    assert r["f1_all_pooled"].item() == pytest.approx(100 / 3)
+    assert r["f1_all"].item() == pytest.approx(100 / 3)  # the official kitti-f1: pooled
+    assert r["3px"].item() == pytest.approx(2 / 3)  # pixel-pooled: epe 4, 1, 1
+    with pytest.raises(ValueError, match="valid"):
+        kitti.update(pred, gt, None)
+
+
+def test_sintel_bundle_counts_every_pixel() -> None:
+    """The official validate_sintel has no valid mask: the items' mask is ignored, F1-all is not reported."""
+    masked, unmasked = SintelSetMetrics(), SintelSetMetrics()
+    masked.update(PRED, GT, torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]))
+    unmasked.update(PRED, GT, None)
+    r = masked.compute()
+    assert r["epe"].item() == pytest.approx((0.5 + 2 + 4 + 10) / 4)
+    assert set(r) == {"epe", "1px", "3px", "5px", "s0-10", "s10-40", "s40+"}
+    assert all(r[k].item() == pytest.approx(v.item(), nan_ok=True) for k, v in unmasked.compute().items())
 
 
 def test_shape_errors_are_clear() -> None:

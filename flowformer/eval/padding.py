@@ -1,4 +1,4 @@
-"""Input padding for evaluation, with the official modes (SPEC §7.2).
+"""Input padding for evaluation, with the official modes (the two official ``InputPadder`` classes).
 
 The network needs H and W divisible by 8. Two official padders exist:
 

@@ -1,4 +1,5 @@
-"""Benchmark submission writers (SPEC §7.4): the MPI-Sintel test tree of ``.flo`` files and KITTI-2015 PNGs.
+"""Benchmark submission writers, as the official ones: the MPI-Sintel test tree of ``.flo`` files and
+KITTI-2015 PNGs.
 
 - Sintel: ``<out>/<pass>/<scene>/frame%04d.flo`` where the number is the 0-based index of the pair's first
   frame within its scene plus one (frame_0001.png -> frame0001.flo), written with :func:`write_flo`.

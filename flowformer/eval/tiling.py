@@ -1,4 +1,4 @@
-"""Gaussian-weighted tiled inference, exactly as ``evaluate_FlowFormer_tile.py`` (SPEC §7.3).
+"""Gaussian-weighted tiled inference, exactly as the official ``evaluate_FlowFormer_tile.py``.
 
 The image is covered by training-size tiles; every tile's flow is weighted by the same Gaussian map and the
 full-size flow is ``f = sum_i w_i f_i / sum_i w_i``. The weights are very peaked (about 1.5e-21 at the middle of
@@ -27,7 +27,7 @@ def compute_grid_indices(
     canvas gives hs = [0, 0]); repeats are kept, since they are part of the official protocol. Entries are
     clamped to H - th (W - tw): this only matters where a middle tile would cross the border, a case in
     which the official code crashes.
-    Example (SPEC §7.3): 436x1024 with 432x960 tiles -> [(0, 0), (0, 64), (4, 0), (4, 64)].
+    Example (the official Sintel tiles): 436x1024 with 432x960 tiles -> [(0, 0), (0, 64), (4, 0), (4, 64)].
     """
     height, width = int(image_shape[0]), int(image_shape[1])
     th, tw = int(tile_size[0]), int(tile_size[1])

@@ -1,4 +1,4 @@
-"""Supervised optical-flow training of the shared FlowFormer backbone (SPEC §6)."""
+"""Supervised optical-flow training of the shared FlowFormer backbone (the official `train_FlowFormer.py`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from flowformer.eval.padding import InputPadder
+from flowformer.eval.protocol import Protocol, validation_protocol
 from flowformer.lit.images import image_api, log_images
 from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.losses import sequence_loss
-from flowformer.metrics import ValidationMetrics
 from flowformer.models.checkpoint import current_backbone_config, load_backbone_weights
 from flowformer.viz import flow_panel
 
@@ -65,12 +64,12 @@ class FlowModule(L.LightningModule):
 
     backbone: the network, or its config mapping with `_target_` (Hydra passes conf/backbone/*.yaml with
         `_recursive_: false`, so the plain config is what the checkpoint's hyperparameters store).
-    total_steps: OneCycle length; None takes trainer.max_steps + 100 as the official loops do (SPEC §6.2).
-    gamma, max_flow: sequence-loss weight decay and the validity threshold on |gt| (SPEC §6.1).
-    train_iters / val_iters: decoder iterations in training and validation.
+    total_steps: OneCycle length; None takes trainer.max_steps + 100 as the official loops do.
+    gamma, max_flow: sequence-loss weight decay and the validity threshold on |gt| (official: 400).
+    train_iters / val_iters: decoder iterations in training and validation (every validation set).
     init_from: checkpoint to initialise the backbone from (ours, an official .pth, or a Lightning .ckpt of a
         previous stage); keys under `skip_init_prefixes` are not loaded (e.g. the MCVA `pretrain_head`).
-    add_noise: FlowFormer's pixel noise: per batch std ~ U(0,5), images clamped to 0..255 (SPEC §6.2).
+    add_noise: FlowFormer's pixel noise: per batch std ~ U(0,5), images clamped to 0..255 (FF only).
     num_val_panels: image | gt | prediction | error panels logged from the first batch of each validation set
         (to loggers that take images: wandb, TensorBoard).
     """
@@ -115,15 +114,26 @@ class FlowModule(L.LightningModule):
             report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
             log.info("initialised the backbone from %s: %s", init_from, report)
         self.val_names: list[str] = []
+        self.val_protocols: dict[str, Protocol] = {}
         self.val_metrics = nn.ModuleDict()
 
     def setup(self, stage: str) -> None:
-        """One ValidationMetrics per validation set, named after the datamodule's `val_names`."""
+        """The datamodule's validation sets (`val_names`, and `val_sets` where it has them) are scored as in
+        task=eval: each with its protocol (`flowformer.eval.protocol.validation_protocol`) and metric bundle."""
         datamodule = getattr(self.trainer, "datamodule", None)
         names = list(getattr(datamodule, "val_names", []) or [])
         if names and names != self.val_names:
-            self.val_names = names
-            self.val_metrics = nn.ModuleDict({name: ValidationMetrics(name) for name in names})
+            self.set_validation_sets(getattr(datamodule, "val_sets", {name: None for name in names}))
+
+    def set_validation_sets(self, sets: Mapping[str, Any]) -> None:
+        """{name: dataset} in the order of the validation dataloaders; a dataset that is not an `EvalSet` (or
+        None) is scored as kind `flow`."""
+        self.val_names = list(sets)
+        self.val_protocols = {
+            name: validation_protocol(dataset, self.hparams.val_iters) for name, dataset in sets.items()
+        }
+        metrics = {name: protocol.metrics() for name, protocol in self.val_protocols.items()}
+        self.val_metrics = nn.ModuleDict(metrics).to(self.device)
 
     def forward(self, image1: Tensor, image2: Tensor, iters: int | None = None) -> dict[str, Tensor]:
         return self.backbone(image1, image2, iters=iters or self.hparams.val_iters)
@@ -165,12 +175,10 @@ class FlowModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.val_names[dataloader_idx] if self.val_names else "val"
-        if name not in self.val_metrics:
-            self.val_metrics[name] = ValidationMetrics(name).to(self.device)
+        if name not in self.val_protocols:  # the loaders of a datamodule without `val_names`: one set `val`
+            self.set_validation_sets({"val": None})
         image1, image2 = batch["img1"], batch["img2"]
-        padder = InputPadder(image1.shape, mode="sintel")  # any size -> multiples of 8 (SPEC §7.2)
-        output = self.backbone(*padder.pad(image1, image2), iters=self.hparams.val_iters)
-        flow = padder.unpad(output["flow"])  # [B,2,H,W]
+        flow = self.val_protocols[name].predict(self.backbone, image1, image2)["flow"]  # [B,2,H,W]
         self.val_metrics[name].update(flow, batch["flow"], batch.get("valid"))
         if batch_idx == 0 and any(image_api(logger) for logger in self.loggers):
             panels = {

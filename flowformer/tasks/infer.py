@@ -8,7 +8,8 @@ Each consecutive pair (i, i+1) gives `<name of frame i>.flo` (or a KITTI 16-bit 
 `infer.save_png`, a Middlebury colour-wheel picture `<name>_flow.png` in `infer.output_dir`; with
 `infer.save_video`, the colour-coded flow of every pair also goes to `flow.mp4` there. Any image size works:
 inputs are padded to a multiple of 8 and the flow cropped back. Frames are decoded one at a time, and the
-progress bar shows pairs per second.
+progress bar shows pairs per second. Prediction is task=eval's (`flowformer/eval/protocol.py`,
+`Protocol.predict`) with `infer.iters` iterations and `infer.pad_mode` padding.
 
 `infer.warm_start=true` starts each pair's refinement from the previous pair's 1/8-resolution flow, projected
 forward along itself (`forward_project`), as the official sequence evaluation does for Sintel.
@@ -31,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
-from flowformer.eval.padding import InputPadder
+from flowformer.eval.protocol import Protocol
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.runtime import autocast_context, load_network, pick_device
 from flowformer.viz import flow_to_color
@@ -149,6 +150,7 @@ def run(cfg: DictConfig) -> None:
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     autocast = autocast_context(device, precision, "infer.precision")
     net = load_network(cfg.backbone, settings.checkpoint, device)
+    protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
     video = None
     previous = to_tensor(next(frames), device)
@@ -162,12 +164,11 @@ def run(cfg: DictConfig) -> None:
                     f"infer.input: frame {names[index + 1]} is {tuple(current.shape[-2:])}, but frame "
                     f"{names[index]} is {tuple(previous.shape[-2:])}; all frames must have one size"
                 )
-            padder = InputPadder(previous.shape, mode=settings.pad_mode)
             with torch.inference_mode(), autocast:
-                output = net(*padder.pad(previous, current), iters=settings.iters, flow_init=flow_init)
+                output = protocol.predict(net, previous, current, flow_init=flow_init)
             if settings.warm_start:
                 flow_init = forward_project(output["flow_low"].float())
-            flow = padder.unpad(output["flow"])[0].permute(1, 2, 0).float().cpu().numpy()  # [H,W,2]
+            flow = output["flow"][0].permute(1, 2, 0).cpu().numpy()  # [H,W,2]
             stem = output_dir / names[index]
             if settings.format == "flo":
                 write_flo(stem.with_suffix(".flo"), flow)

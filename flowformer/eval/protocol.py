@@ -1,0 +1,181 @@
+"""The one evaluation path: how flow is predicted on a set (padding or Gaussian tiling, decoder iterations)
+and which metric bundle scores it. Validation in the training loop (``flowformer/lit/flow.py``), task=eval and
+task=infer all predict through ``Protocol.predict``.
+
+- :class:`EvalSet`: a dataset of pairs with its metric kind and padding/tiling geometry, built by Hydra from
+  ``conf/eval/sets/<name>.yaml``; ``data.val.<name>`` and ``eval.benchmarks.<name>`` are made from the same
+  files, so a set is scored the same way in validation and in task=eval.
+- :class:`Protocol`: one run's settings for one set (the set's geometry, the iterations, tiling on or off).
+
+Metric kinds (``KINDS``): ``flow``, ``sintel``, ``kitti`` (the bundles of ``flowformer.metrics.SET_METRICS``),
+and ``sintel_submission`` / ``kitti_submission`` (test splits: task=eval writes the benchmark's files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from flowformer.eval.padding import DEFAULT_FILL, InputPadder, PadMode
+from flowformer.eval.tiling import tiled_flow
+from flowformer.metrics import SET_METRICS, SetMetrics
+
+SUBMISSION_KINDS = ("sintel_submission", "kitti_submission")
+KINDS = (*SET_METRICS, *SUBMISSION_KINDS)
+
+# net(image1 [B,3,H,W], image2, iters=..., **kwargs) -> {"flow": [B,2,H,W], "flow_low": [B,2,H/8,W/8], ...}
+FlowNet = Callable[..., Mapping[str, Tensor]]
+
+
+def _check_kind(kind: str | None, allow_none: bool = False) -> None:
+    if kind is None and allow_none:
+        return
+    if kind not in KINDS:
+        raise ValueError(f"evaluation kind {kind!r} is unknown; expected one of {', '.join(KINDS)}")
+
+
+def _check_pad_mode(mode: str | None, what: str) -> None:
+    if mode is not None and mode not in DEFAULT_FILL:
+        raise ValueError(f"{what}={mode!r} is unknown; expected one of {sorted(DEFAULT_FILL)}")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How flow is predicted and scored on one set.
+
+    kind: the metric bundle (``KINDS``); None predicts without scoring (task=infer).
+    iters: decoder iterations.
+    pad_mode: padding to a multiple of 8 when not tiling (``flowformer/eval/padding.py``; the official
+        ``evaluate_FlowFormer.py`` uses ``sintel`` for every set).
+    tile: Gaussian tiling (``evaluate_FlowFormer_tile.py``) with ``tile_size`` tiles, after zero padding the
+        image with ``tile_pad_mode`` (None: the image as it is); ``sigma``, ``min_overlap`` and
+        ``deduplicate_tiles`` as in ``flowformer.eval.tiling.tiled_flow``.
+    """
+
+    iters: int
+    kind: str | None = None
+    pad_mode: PadMode = "sintel"
+    tile: bool = False
+    tile_size: tuple[int, int] | None = None
+    tile_pad_mode: PadMode | None = None
+    sigma: float = 0.05
+    min_overlap: int = 20
+    deduplicate_tiles: bool = False
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind, allow_none=True)
+        _check_pad_mode(self.pad_mode, "pad_mode")
+        _check_pad_mode(self.tile_pad_mode, "tile_pad_mode")
+        if self.tile and self.tile_size is None:
+            raise ValueError("tiled evaluation needs the set's tile_size, e.g. [432, 960] for Sintel")
+
+    @property
+    def writes_submission(self) -> bool:
+        return self.kind in SUBMISSION_KINDS
+
+    def metrics(self) -> SetMetrics:
+        """A fresh metric bundle of this protocol's kind."""
+        if self.kind not in SET_METRICS:
+            raise ValueError(f"kind {self.kind!r} has no ground truth to score; scored: {list(SET_METRICS)}")
+        return SET_METRICS[self.kind]()
+
+    def predict(self, net: FlowNet, image1: Tensor, image2: Tensor, **net_kwargs: Any) -> dict[str, Tensor]:
+        """Full-resolution flow of image1, image2 [B,3,H,W] -> {"flow": [B,2,H,W] float32}.
+
+        Without tiling, the images are padded to [B,3,H',W'], ``net(..., iters=self.iters, **net_kwargs)``
+        runs once, its flow is cropped back, and its ``flow_low`` [B,2,H'/8,W'/8] (of the padded images, what
+        the next pair's ``flow_init`` takes) is returned too. With tiling, net runs on each tile and the tile
+        flows are blended; ``net_kwargs`` (e.g. ``flow_init``) have no meaning per tile and are refused.
+        """
+        if not self.tile:
+            padder = InputPadder(image1.shape, mode=self.pad_mode)
+            output = net(*padder.pad(image1, image2), iters=self.iters, **net_kwargs)
+            return {"flow": padder.unpad(output["flow"]).float(), "flow_low": output["flow_low"]}
+        if net_kwargs:
+            raise ValueError(f"tiled evaluation starts every tile afresh and takes no {sorted(net_kwargs)}")
+        padder = (
+            InputPadder(image1.shape, mode=self.tile_pad_mode, fill="zeros") if self.tile_pad_mode else None
+        )
+        padded = padder.pad(image1, image2) if padder else (image1, image2)
+        flow = tiled_flow(
+            lambda tile1, tile2: net(tile1, tile2, iters=self.iters)["flow"],
+            *padded,
+            tile_size=self.tile_size,
+            sigma=self.sigma,
+            min_overlap=self.min_overlap,
+            deduplicate=self.deduplicate_tiles,
+        )
+        return {"flow": padder.unpad(flow) if padder else flow}
+
+
+class EvalSet(Dataset):
+    """A validation or benchmark set: the items of ``dataset`` and how they are evaluated.
+
+    kind: the metric kind (``KINDS``).
+    iters: decoder iterations in task=eval (``eval.benchmarks.<name>.iters``); validation sets leave it None
+        and run ``model.val_iters``.
+    pad_mode, tile_size, tile_pad_mode: see :class:`Protocol`.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        kind: str,
+        iters: int | None = None,
+        pad_mode: PadMode = "sintel",
+        tile_size: Sequence[int] | None = None,
+        tile_pad_mode: PadMode | None = None,
+    ) -> None:
+        _check_kind(kind)
+        _check_pad_mode(pad_mode, "pad_mode")
+        _check_pad_mode(tile_pad_mode, "tile_pad_mode")
+        self.dataset = dataset
+        self.kind = kind
+        self.iters = None if iters is None else int(iters)
+        self.pad_mode = pad_mode
+        self.tile_size = None if tile_size is None else (int(tile_size[0]), int(tile_size[1]))
+        self.tile_pad_mode = tile_pad_mode
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.dataset[index]
+
+    def describe(self) -> str:
+        describe = getattr(self.dataset, "describe", None)
+        inner = describe() if callable(describe) else f"{type(self.dataset).__name__} ({len(self)} items)"
+        return f"{inner}, kind {self.kind}"
+
+    def protocol(self, iters: int, **run_settings: Any) -> Protocol:
+        """The set's protocol with ``iters`` iterations and the run's tiling settings (``tile``, ``sigma``,
+        ``min_overlap``, ``deduplicate_tiles``)."""
+        return Protocol(
+            iters=iters,
+            kind=self.kind,
+            pad_mode=self.pad_mode,
+            tile_size=self.tile_size,
+            tile_pad_mode=self.tile_pad_mode,
+            **run_settings,
+        )
+
+
+def validation_protocol(dataset: Dataset | None, iters: int) -> Protocol:
+    """Validation in the training loop: the set's kind and padding, never tiled (as the official in-training
+    validation), ``iters`` (``model.val_iters``) iterations. A plain dataset (or None) is scored as kind
+    ``flow``."""
+    if not isinstance(dataset, EvalSet):
+        return Protocol(iters=iters, kind="flow")
+    if dataset.iters is not None:
+        raise ValueError(
+            f"a validation set sets iters={dataset.iters}, but validation runs model.val_iters={iters} on "
+            "every set; remove its iters (they are task=eval's: eval.benchmarks.<name>.iters)"
+        )
+    if dataset.kind not in SET_METRICS:
+        raise ValueError(f"a validation set of kind {dataset.kind!r} has no ground truth to score")
+    return dataset.protocol(iters)
