@@ -152,7 +152,7 @@ def _measure_in_child(config: dict, results: multiprocessing.Queue) -> None:
         results.put(measure(cfg))
     except torch.OutOfMemoryError as error:
         results.put({"status": "out of memory", "error": str(error).splitlines()[0]})
-    except Exception as error:  # the row's own error, reported in its row; the next row still runs
+    except Exception as error:  # noqa: BLE001 - any error of the row is reported in its row; the next row runs
         results.put({"status": "failed", "error": f"{type(error).__name__}: {error}".splitlines()[0]})
 
 
