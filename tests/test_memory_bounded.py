@@ -46,6 +46,23 @@ def test_windows_from_features_equal_windows_of_the_volume(radius):
     torch.testing.assert_close(DenseCostVolume(dense_cost_maps(feat1, feat2, 2)).window(coords, radius), expected)
 
 
+def test_training_windows_recompute_the_sampled_features_in_backward():
+    """In training, a window block's sampled features (C values per window point) are not kept for backward:
+    what autograd saves stays below their size, and the gradients are those of the dense volume's window."""
+    feat1, feat2 = (f.requires_grad_() for f in features(channels=32))
+    coords = torch.rand(2, 2, 5, 7, generator=torch.Generator().manual_seed(5)) * 6.0
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        window = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4).window(coords, 4)
+    sampled_values = 2 * 5 * 7 * 81 * 32  # B·H1·W1 window points x C channels
+    assert sum(saved) < sampled_values / 2
+    got = torch.autograd.grad(window.square().sum(), [feat1, feat2])
+    dense = sample_cost_window(dense_cost_maps(feat1, feat2, heads=2), coords, 4)
+    expected = torch.autograd.grad(dense.square().sum(), [feat1, feat2])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_attention_equals_the_written_out_product():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(3, 4, n, 16, generator=g) for n in (37, 11, 11))

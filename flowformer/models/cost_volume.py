@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from flowformer.models.layers import bilinear_sample, sample_cost_window, window_offsets
 
@@ -104,10 +105,21 @@ class FeatureCostVolume(CostVolume):
         block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return block.view(-1, self.heads, height, width)
 
+    def _window_block(self, feat2: Tensor, source: Tensor, points: Tensor) -> Tensor:
+        """feat2 [1, C, H, W] sampled at points [1, n, side², 2], dotted per head with source [heads, n, C/heads]
+        -> [n, heads, side²]."""
+        sampled = bilinear_sample(feat2, points)  # [1, C, n, side²]
+        sampled = sampled.view(self.heads, -1, *points.shape[1:3])  # [heads, C/heads, n, side²]
+        return torch.einsum("hnd,hdnw->nhw", source, sampled)
+
     def window(self, coords: Tensor, radius: int) -> Tensor:
+        """As CostVolume.window. When gradients flow (training), each block's sampled features (C values per
+        window point, where the dense volume keeps one) are recomputed in backward instead of kept: otherwise
+        they would outweigh the dense volume (measured at 368x496: 8.6 GB peak RSS against 5.7 GB dense)."""
         batch, _, h1, w1 = coords.shape
         side = 2 * radius + 1
         delta = window_offsets(radius, coords.device)  # [side, side, 2]
+        recompute = torch.is_grad_enabled() and (self.f1.requires_grad or self.feat2.requires_grad)
         out = []
         with torch.autocast(device_type=coords.device.type, enabled=False):
             for image in range(batch):
@@ -116,10 +128,11 @@ class FeatureCostVolume(CostVolume):
                 for start in range(0, h1 * w1, self.block_rows):
                     stop = min(start + self.block_rows, h1 * w1)
                     points = (centres[start:stop] + delta).reshape(1, -1, side * side, 2)  # [1, n, side², 2]
-                    sampled = bilinear_sample(self.feat2[image : image + 1], points)  # [1, C, n, side²]
-                    sampled = sampled.view(self.heads, -1, stop - start, side * side)
-                    source = self.f1[image, :, start:stop]  # [heads, n, C/heads]
-                    pieces.append(torch.einsum("hnd,hdnw->nhw", source, sampled))  # [n, heads, side²]
+                    block = (self.feat2[image : image + 1], self.f1[image, :, start:stop], points)
+                    if recompute:
+                        pieces.append(checkpoint(self._window_block, *block, use_reentrant=False))
+                    else:
+                        pieces.append(self._window_block(*block))  # [n, heads, side²]
                 out.append(torch.cat(pieces))
         # [B*H1*W1, heads, side²] -> [B, heads*side², H1, W1]
         return torch.stack(out).view(batch, h1, w1, -1).permute(0, 3, 1, 2)
