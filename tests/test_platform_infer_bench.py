@@ -16,7 +16,7 @@ from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.models import save_backbone
 from flowformer.models.checkpoint import CheckpointMismatchError, load_backbone
 from flowformer.tasks import infer, run_task
-from flowformer.tasks.runtime import autocast_context, load_network
+from flowformer.tasks.runtime import autocast_context, available_memory_gb, load_network
 
 CPU = torch.device("cpu")
 HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
@@ -152,3 +152,15 @@ def test_autocast_context_follows_the_precision_and_names_the_setting():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
     with pytest.raises(ValueError, match=r"eval.precision='fp8': expected one of 32-true, bf16-mixed, 16-mixed"):
         autocast_context(CPU, "fp8", "eval.precision")
+
+
+def test_infer_bounds_memory_by_default(monkeypatch):
+    assert available_memory_gb(CPU) > 0
+    monkeypatch.setattr(infer, "available_memory_gb", lambda device: 0.002)
+    backbone = infer.memory_budget(config().backbone, CPU)  # tiny.yaml: memory_budget_gb null
+    assert backbone.memory_budget_gb == 0.001  # half of what is free
+    features = torch.zeros(1, backbone.feature_dim, 32, 32)  # a 256x256 pair at 1/8
+    assert not load_network(backbone, None, CPU).memory_plan(features).dense
+    assert load_network(config().backbone, None, CPU).memory_plan(features).dense  # elsewhere null = dense
+    chosen = config("backbone.memory_budget_gb=3").backbone
+    assert infer.memory_budget(chosen, CPU).memory_budget_gb == 3

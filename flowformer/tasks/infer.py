@@ -13,8 +13,9 @@ progress bar shows pairs per second. Prediction is task=eval's (`flowformer/eval
 
 `infer.warm_start=true` starts each pair's refinement from the previous pair's 1/8-resolution flow, projected
 forward along itself (`forward_project`), as the official sequence evaluation does for Sintel.
-`infer.precision=auto` runs bf16 autocast on a GPU and fp32 on the CPU; `backbone.memory_budget_gb` bounds
-the memory at high resolutions.
+`infer.precision=auto` runs bf16 autocast on a GPU and fp32 on the CPU. Memory is bounded by default: with
+`backbone.memory_budget_gb` null, infer plans for half of the device's free memory (`memory_budget`), which
+keeps the dense computation whenever it fits; a number sets the budget.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
 from flowformer.eval.protocol import Protocol
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.runtime import autocast_context, load_network, pick_device
+from flowformer.tasks.runtime import autocast_context, available_memory_gb, load_network, pick_device
 from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,16 @@ class PairsPerSecond(ProgressColumn):
         return Text(f"{task.speed:.2f} pairs/s" if task.speed else "-- pairs/s")
 
 
+def memory_budget(backbone_cfg: DictConfig, device: torch.device) -> DictConfig:
+    """The backbone config with `memory_budget_gb` set: the configured one, or half of what `device` has free
+    now when it is null (the plan stays dense when that fits: same numbers, bounded when it would not)."""
+    if backbone_cfg.get("memory_budget_gb") is not None:
+        return backbone_cfg
+    budget = available_memory_gb(device) / 2
+    log.info("infer: backbone.memory_budget_gb=%.3g (half of the free %s memory; set it to choose)", budget, device)
+    return OmegaConf.merge(backbone_cfg, {"memory_budget_gb": budget})
+
+
 def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     if settings.format not in ("flo", "kitti"):
@@ -149,7 +160,7 @@ def run(cfg: DictConfig) -> None:
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     autocast = autocast_context(device, precision, "infer.precision")
-    net = load_network(cfg.backbone, settings.checkpoint, device)
+    net = load_network(memory_budget(cfg.backbone, device), settings.checkpoint, device)
     protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
     video = None

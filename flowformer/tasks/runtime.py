@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -183,6 +184,18 @@ def autocast_context(device: torch.device, precision: str, setting: str) -> Abst
     if precision not in PRECISION_DTYPES:
         raise ValueError(f"{setting}={precision!r}: expected one of 32-true, {', '.join(PRECISION_DTYPES)}")
     return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
+
+
+def available_memory_gb(device: torch.device) -> float:
+    """Memory free for new tensors now: the GPU's free memory, or the machine's MemAvailable on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**30
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20  # kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:
