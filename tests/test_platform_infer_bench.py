@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.models import save_backbone
-from flowformer.models.checkpoint import CheckpointMismatchError, load_backbone
+from flowformer.models.checkpoint import CheckpointMismatchError, export_official, load_backbone
 from flowformer.tasks import infer, run_task
 from flowformer.tasks.runtime import autocast_context, available_memory_gb, load_network
 
@@ -164,3 +164,20 @@ def test_infer_bounds_memory_by_default(monkeypatch):
     assert load_network(config().backbone, None, CPU).memory_plan(features).dense  # elsewhere null = dense
     chosen = config("backbone.memory_budget_gb=3").backbone
     assert infer.memory_budget(chosen, CPU).memory_budget_gb == 3
+
+
+def test_convert_is_a_task_like_the_others(tmp_path):
+    torch.manual_seed(0)
+    net = hydra.utils.instantiate(config("backbone.variant=flowformer").backbone)
+    official = export_official(net, tmp_path / "released.pth")
+    ours, back = tmp_path / "ours.ckpt", tmp_path / "back.pth"
+    run_task(config("task=convert", "backbone.variant=flowformer", f"convert.input={tmp_path / 'released.pth'}",
+                    f"convert.output={ours}", f"paths.output_dir={tmp_path / 'run1'}"))
+    converted = load_backbone(ours)
+    assert converted.variant == "flowformer"
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in converted.state_dict().items())
+    run_task(config("task=convert", f"convert.input={ours}", f"convert.output={back}", "convert.to_official=true",
+                    f"paths.output_dir={tmp_path / 'run2'}"))
+    released_again = torch.load(back, weights_only=True)
+    assert released_again.keys() == official.keys()
+    assert all(torch.equal(released_again[k], official[k]) for k in official)

@@ -3,6 +3,9 @@
     python -m flowformer.models.convert things.pth things_ours.ckpt --variant flowformer
     python -m flowformer.models.convert ours.ckpt official.pth --to-official
 
+or, like every other task, `python run.py task=convert backbone=flowformer convert.input=things.pth
+convert.output=things_ours.ckpt` (flowformer/tasks/convert.py).
+
 The first form reads a released FlowFormer / FlowFormer++ `.pth` (with or without `module.`), loads it strictly
 into the official architecture of `--variant` (or the knobs of `--backbone conf/backbone/<name>.yaml`) and writes
 our backbone file. `--to-official` writes a backbone file or Lightning `.ckpt` back in the released layout.
@@ -49,18 +52,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    if args.to_official:
-        export_official(load_backbone(args.src), args.dst)
-        print(f"wrote official-layout state dict to {args.dst}")
-        return
     knobs: dict = {}
     if args.backbone is not None:
         knobs = backbone_knobs(args.backbone)
-    variant = args.variant or knobs.pop("variant", "flowformer")
-    knobs.pop("variant", None)
-    net = load_official(args.src, variant=variant, **knobs)
-    save_backbone(args.dst, net)
-    print(f"wrote {variant} backbone checkpoint to {args.dst}")
+    if args.variant is not None:
+        knobs["variant"] = args.variant
+    print(convert(args.src, args.dst, to_official=args.to_official, knobs=knobs))
+
+
+def convert(src: str | Path, dst: str | Path, *, to_official: bool, knobs: dict) -> str:
+    """Official `.pth` -> our backbone file, built with the backbone `knobs` (variant included; default the
+    paper's FlowFormer), or with `to_official` our file -> the official layout. Returns what was written."""
+    if to_official:
+        export_official(load_backbone(src), dst)
+        return f"wrote official-layout state dict to {dst}"
+    knobs = dict(knobs)
+    variant = knobs.pop("variant", "flowformer")
+    save_backbone(dst, load_official(src, variant=variant, **knobs))
+    return f"wrote {variant} backbone checkpoint to {dst}"
 
 
 def backbone_knobs(path: Path) -> dict:

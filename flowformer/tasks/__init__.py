@@ -24,7 +24,7 @@ from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 
 log = logging.getLogger(__name__)
 
-TASKS = ("train", "pretrain", "eval", "infer", "bench", "quickstart")
+TASKS = ("train", "pretrain", "eval", "infer", "bench", "convert", "quickstart")
 
 # Errors caused by inputs or settings rather than by bugs: reported without a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (

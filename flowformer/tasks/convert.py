@@ -1,0 +1,32 @@
+"""task=convert: a released FlowFormer / FlowFormer++ `.pth` -> our backbone file, or back with
+`convert.to_official=true`; the architecture is the `backbone` config group's, as for eval and infer.
+
+    python run.py task=convert backbone=flowformer convert.input=things.pth convert.output=things_ours.ckpt
+    python run.py task=convert backbone=flowformer_pp convert.input=ours.ckpt convert.output=ff_pp.pth \
+        convert.to_official=true
+
+The same conversion as `python -m flowformer.models.convert` (flowformer/models/convert.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from flowformer.models.convert import convert
+from flowformer.tasks.run_dirs import ensure_writable_dir
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: DictConfig) -> None:
+    settings = cfg.convert
+    output = Path(settings.output)
+    ensure_writable_dir(output.parent, "the directory of convert.output")
+    knobs = OmegaConf.to_container(cfg.backbone, resolve=True)
+    knobs.pop("_target_", None)
+    message = convert(settings.input, output, to_official=settings.to_official, knobs=knobs)
+    log.info("convert: %s", message)
+    print(message)
