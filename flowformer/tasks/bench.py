@@ -197,9 +197,15 @@ def path_label(budget_gb: float | None) -> str:
     return "dense" if budget_gb is None else f"budget {budget_gb:g} GB"
 
 
+def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """(the rows' memory key, its title): GPU rows report allocated memory, CPU rows the process's RSS."""
+    if any("peak_gpu_mib" in row for row in rows):
+        return "peak_gpu_mib", "peak GPU allocated"
+    return "peak_rss_mib", "peak RSS"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    memory_key = "peak_gpu_mib" if any("peak_gpu_mib" in row for row in rows) else "peak_rss_mib"
-    memory_title = "peak GPU allocated" if memory_key == "peak_gpu_mib" else "peak RSS"
+    memory_key, memory_title = memory_measure(rows)
     lines = [
         f"| size | megapixels | path | precision | seconds per step | {memory_title} | status |",
         "|---|---|---|---|---|---|---|",
@@ -221,19 +227,19 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    memory_key = "peak_gpu_mib" if any("peak_gpu_mib" in row for row in rows) else "peak_rss_mib"
+    memory_key, memory_title = memory_measure(rows)
     figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(11, 4))
-    for label in dict.fromkeys(f"{row['path']}, {row['precision']}" for row in rows):
-        done = [row for row in rows if f"{row['path']}, {row['precision']}" == label and row["status"] == "ok"]
+    lines: dict[str, list[dict[str, Any]]] = {}  # "<path>, <precision>" -> its finished rows, in size order
+    for row in rows:
+        done = lines.setdefault(f"{row['path']}, {row['precision']}", [])
+        if row["status"] == "ok":
+            done.append(row)
+    for label, done in lines.items():
         megapixels = [row["megapixels"] for row in done]
         time_axis.plot(megapixels, [row["mean_s"] for row in done], marker="o", label=label)
         memory_axis.plot(megapixels, [row[memory_key] / 1024 for row in done], marker="o", label=label)
     time_axis.set(xlabel="megapixels", ylabel="seconds per step", title="time")
-    memory_axis.set(
-        xlabel="megapixels",
-        ylabel="GiB",
-        title="peak GPU memory allocated" if memory_key == "peak_gpu_mib" else "peak RSS of the process",
-    )
+    memory_axis.set(xlabel="megapixels", ylabel="GiB", title=memory_title)
     for axis in (time_axis, memory_axis):
         axis.grid(alpha=0.3)
         axis.legend()
