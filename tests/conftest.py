@@ -67,3 +67,14 @@ def mask_generator(**overrides) -> CostMaskGenerator:
     """The MCVA mask of conf/model/mcva.yaml, with `overrides` applied."""
     settings = mcva_settings(**overrides)
     return CostMaskGenerator(**{k: settings[k] for k in ("masking", "mask_ratio", "min_block", "max_block")})
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    """Puts torch's fp32 precision settings (runtime.matmul_precision, flowformer/tasks/runtime.py) back."""
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    cpu_matmul = torch.backends.mkldnn.matmul.fp32_precision
+    yield
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = cudnn
+    torch.backends.mkldnn.matmul.fp32_precision = cpu_matmul

@@ -1,11 +1,16 @@
-"""What only a GPU shows (skipped without CUDA): bf16-mixed training and MCVA pretraining through run.py, and
-DDP over NCCL launched by Lightning. bf16 autocast against fp32 on CUDA is in test_models_network.py."""
+"""What only a GPU shows (skipped without CUDA): bf16-mixed training and MCVA pretraining through run.py, DDP
+over NCCL launched by Lightning, TF32 under the default runtime.matmul_precision and an inductor-compiled
+network. bf16 autocast against fp32 on CUDA is in test_models_network.py."""
 
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONF_DIR, build_backbone
+from hydra import compose, initialize_config_dir
 from run_helper import run_py
+
+from flowformer.tasks.runtime import compile_network, configure_runtime
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,3 +62,25 @@ def test_ddp_over_nccl_launched_by_lightning(tmp_path) -> None:
     assert f"MEMBER: {devices}/{devices}" in output
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 3
+
+
+def runtime_settings(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides)).runtime
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_tf32_by_default_and_an_inductor_compiled_forward_matches_eager() -> None:
+    configure_runtime(runtime_settings())
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    configure_runtime(runtime_settings("runtime.matmul_precision=highest"))  # compiled vs eager, not TF32
+    torch.manual_seed(0)
+    net = build_backbone().eval().cuda()
+    reference = build_backbone().eval().cuda()
+    reference.load_state_dict(net.state_dict())
+    compile_network(net, runtime_settings("runtime.compile=true"))  # inductor
+    image1, image2 = (torch.rand(1, 3, 64, 96, device="cuda") * 255 for _ in range(2))
+    with torch.no_grad():
+        flow = net(image1, image2, iters=4)["flow"]
+        expected = reference(image1, image2, iters=4)["flow"]
+    torch.testing.assert_close(flow, expected, rtol=1e-3, atol=1e-3)

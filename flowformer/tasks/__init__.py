@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import CheckpointWriteError
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
+from flowformer.tasks.runtime import configure_runtime
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def run_task(cfg: DictConfig) -> float | None:
         # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line.
         logging.getLogger("lightning").handlers.clear()
     try:
+        configure_runtime(cfg.runtime)
         return module.run(cfg)
     except Exception as error:
         user_error = find_user_error(error)

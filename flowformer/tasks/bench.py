@@ -12,6 +12,10 @@ bench.mode picks the step:
     python run.py task=bench backbone=flowformer bench.mode=train bench.batch_size=8 bench.precisions=[bf16-mixed]
     python run.py task=bench backbone=flowformer_pp model=mcva bench.mode=pretrain bench.batch_size=8
 
+With `runtime.compile=true` the network's stages are torch.compiled; the first warmup step of a row compiles
+them, and the row's `compile_s` is that step's time minus the row's mean step time (the compile time, with the
+warmup's one-off costs such as allocator growth). `runtime.matmul_precision` applies in every row.
+
 Every row (size x memory path x precision) runs in a fresh process, so its peak memory is its own (a CPU
 process's peak RSS only grows) and a row that runs out of memory is recorded as such instead of ending the
 benchmark. Writes <run dir>/bench.json (the machine and every row), bench.md (the table) and bench.png (time and
@@ -38,7 +42,13 @@ from torch import Tensor, nn
 
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
-from flowformer.tasks.runtime import autocast_context, load_network, pick_device
+from flowformer.tasks.runtime import (
+    autocast_context,
+    compile_network,
+    configure_runtime,
+    load_network,
+    pick_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +106,12 @@ def build_step(
 
 
 def row_config(cfg: DictConfig, size: list[int], budget_gb: float | None, precision: str) -> DictConfig:
-    """What one row's process needs (seed, bench, backbone, model) as plain values, with `bench.height/width/
-    precision` and `backbone.memory_budget_gb` set to the row's. Only these nodes are resolved: resolving the
-    whole config would claim another run directory (`paths.output_dir` is `${fresh_dir:...}`)."""
-    row = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("bench", "backbone", "model")}
+    """What one row's process needs (seed, runtime, bench, backbone, model) as plain values, with
+    `bench.height/width/precision` and `backbone.memory_budget_gb` set to the row's. Only these nodes are
+    resolved: resolving the whole config would claim another run directory (`paths.output_dir` is
+    `${fresh_dir:...}`)."""
+    nodes = ("runtime", "bench", "backbone", "model")
+    row = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in nodes}
     row["bench"] |= {"height": size[0], "width": size[1], "precision": precision}
     row["backbone"]["memory_budget_gb"] = budget_gb
     row["model"]["backbone"] = row["backbone"]
@@ -109,35 +121,37 @@ def row_config(cfg: DictConfig, size: list[int], budget_gb: float | None, precis
 def measure(cfg: DictConfig) -> dict[str, Any]:
     """Time `bench.repeats` steps after `bench.warmup` ones at bench.height x bench.width, in this process."""
     bench = cfg.bench
+    configure_runtime(cfg.runtime)
     device = pick_device(bench.device)
     torch.manual_seed(cfg.seed)
     shape = (bench.batch_size, 3, bench.height, bench.width)
     image1 = torch.rand(shape, device=device) * 255  # [B,3,H,W] in 0..255
     image2 = torch.rand(shape, device=device) * 255
     net, step = build_step(cfg, device, image1, image2)
+    compile_network(net, cfg.runtime)  # in place: the step's calls of the network's stages compile
     built_rss = peak_rss_mib()
 
-    def timed_step() -> None:
+    def timed_step() -> float:
+        start = time.perf_counter()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
-    for _ in range(bench.warmup):
-        timed_step()
+    warmup_seconds = [timed_step() for _ in range(bench.warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = []
-    for _ in range(bench.repeats):
-        start = time.perf_counter()
-        timed_step()
-        seconds.append(time.perf_counter() - start)
+    seconds = [timed_step() for _ in range(bench.repeats)]
+    mean_s = sum(seconds) / len(seconds)
     result = {
         "status": "ok",
-        "mean_s": sum(seconds) / len(seconds),
+        "mean_s": mean_s,
         "min_s": min(seconds),
         "parameters_m": sum(p.numel() for p in net.parameters()) / 1e6,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
     }
+    if cfg.runtime.compile:
+        result["compile_s"] = warmup_seconds[0] - mean_s
     if device.type == "cuda":
         result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     else:
@@ -205,18 +219,25 @@ def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """One line per row; a `compile s` column when the rows were compiled (runtime.compile)."""
     memory_key, memory_title = memory_measure(rows)
-    lines = [
-        f"| size | megapixels | path | precision | seconds per step | {memory_title} | status |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    compiled = any("compile_s" in row for row in rows)
+    titles = ["size", "megapixels", "path", "precision", "seconds per step", *(["compile s"] * compiled)]
+    titles += [memory_title, "status"]
+    lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
-        seconds = f"{row['mean_s']:.3f}" if "mean_s" in row else "-"
-        memory = f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-"
-        lines.append(
-            f"| {row['height']}x{row['width']} | {row['megapixels']:.2f} | {row['path']} | {row['precision']} "
-            f"| {seconds} | {memory} | {row['status']}{': ' + row['error'] if 'error' in row else ''} |"
-        )
+        cells = [
+            f"{row['height']}x{row['width']}",
+            f"{row['megapixels']:.2f}",
+            row["path"],
+            row["precision"],
+            f"{row['mean_s']:.3f}" if "mean_s" in row else "-",
+        ]
+        if compiled:
+            cells.append(f"{row['compile_s']:.1f}" if "compile_s" in row else "-")
+        cells.append(f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-")
+        cells.append(row["status"] + (f": {row['error']}" if "error" in row else ""))
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -256,6 +277,8 @@ def run(cfg: DictConfig) -> float:
     for size in bench.sizes:
         if len(size) != 2 or size[0] % 8 or size[1] % 8:
             raise ValueError(f"bench.sizes: each size is [height, width], both multiples of 8; got {list(size)}")
+    if cfg.runtime.compile and bench.warmup < 1:
+        raise ValueError("runtime.compile=true needs bench.warmup >= 1: the first step compiles (not timed)")
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -274,9 +297,15 @@ def run(cfg: DictConfig) -> float:
                 row |= measure_isolated(row_config(cfg, size, budget_gb, precision), bench.timeout_s)
                 log.info("bench: %s", json.dumps(row))
                 rows.append(row)
+    runtime = cfg.runtime
     setup = {
         key: cfg.bench[key] for key in ("mode", "batch_size", "iters", "warmup", "repeats", "device")
-    } | {"backbone": cfg.backbone.get("variant"), "image_encoder": cfg.backbone.get("image_encoder")}
+    } | {
+        "backbone": cfg.backbone.get("variant"),
+        "image_encoder": cfg.backbone.get("image_encoder"),
+        "matmul_precision": runtime.matmul_precision,
+        "compile": f"{runtime.compile_backend} ({runtime.compile_mode})" if runtime.compile else None,
+    }
     about = machine()
     (output_dir / "bench.json").write_text(json.dumps({"machine": about, "setup": setup, "rows": rows}, indent=2))
     table = markdown_table(rows)
@@ -284,6 +313,7 @@ def run(cfg: DictConfig) -> float:
     title = (
         f"{setup['backbone']} ({setup['image_encoder']}), {setup['mode']}, batch {setup['batch_size']}, "
         f"{setup['iters']} iterations, on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
+        + (f", compiled: {setup['compile']}" if setup["compile"] else "")
     )
     plot(rows, title, output_dir / "bench.png")
     print(f"{title}\n{table}\nwrote {output_dir / 'bench.json'}, bench.md, bench.png")

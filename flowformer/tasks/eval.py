@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from flowformer.eval.protocol import EvalSet, Protocol
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.runtime import autocast_context, load_network, pick_device
+from flowformer.tasks.runtime import autocast_context, compile_network, load_network, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ def run(cfg: DictConfig) -> float | None:
     if checkpoint is None:
         log.warning("eval.checkpoint is null: evaluating randomly initialised weights (smoke tests only)")
     net = load_network(cfg.backbone, checkpoint, device)
+    compile_network(net, cfg.runtime)
 
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}

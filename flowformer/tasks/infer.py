@@ -35,7 +35,13 @@ from rich.text import Text
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
 from flowformer.eval.protocol import Protocol
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.runtime import autocast_context, available_memory_gb, load_network, pick_device
+from flowformer.tasks.runtime import (
+    autocast_context,
+    available_memory_gb,
+    compile_network,
+    load_network,
+    pick_device,
+)
 from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)
@@ -161,6 +167,7 @@ def run(cfg: DictConfig) -> None:
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     autocast = autocast_context(device, precision, "infer.precision")
     net = load_network(memory_budget(cfg.backbone, device), settings.checkpoint, device)
+    compile_network(net, cfg.runtime)
     protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
     video = None

@@ -1,4 +1,5 @@
-"""What the tasks share: run records, loggers (with wandb resume) and callbacks around Lightning; and, for the
+"""What the tasks share: run records, loggers (with wandb resume) and callbacks around Lightning; the
+`runtime` settings of every task that runs the network (GPU matmul precision, torch.compile); and, for the
 tasks that run the network themselves (eval, infer, bench), the device, autocast precision and network."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from flowformer.models import FlowFormer
 from flowformer.models.checkpoint import load_backbone_weights
 
 log = logging.getLogger(__name__)
@@ -196,6 +198,39 @@ def available_memory_gb(device: torch.device) -> float:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) / 2**20  # kB
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def configure_runtime(settings: DictConfig) -> None:
+    """Apply `runtime.matmul_precision` to this process (torch's settings are per process): fp32 matmuls and
+    cuDNN convolutions on the GPU in strict fp32 ('highest') or on TF32 tensor cores ('high', 'medium').
+    CPU matmuls stay strict fp32 whatever the setting (torch would otherwise let oneDNN use TF32 or bf16 on
+    CPUs that have them), so CPU numbers do not depend on it."""
+    precision = settings.matmul_precision
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(
+            f"runtime.matmul_precision={precision!r}: expected one of {', '.join(MATMUL_PRECISIONS)}"
+        )
+    torch.set_float32_matmul_precision(precision)
+    torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+    torch.backends.cudnn.allow_tf32 = precision != "highest"
+
+
+def compile_network(net: FlowFormer, settings: DictConfig) -> None:
+    """With `runtime.compile`, torch.compile the stages of `net` in place (`nn.Module.compile`): the image
+    encoders, the cost encoder and the decoder, the modules `FlowFormer.forward` calls (MCVA pretraining calls
+    the encoders and the cost encoder; its cost queries use decoder methods, which stay eager). In place, so
+    `state_dict()` keys stay the plain ones (no `_orig_mod.`) and checkpoints load into uncompiled networks.
+    Each stage compiles on its first call with a new input shape or mode (train / eval)."""
+    if not settings.compile:
+        return
+    stages = [net.context_encoder, *net.feature_encoder_modules(), net.cost_encoder, net.memory_decoder]
+    backend, mode = settings.compile_backend, settings.compile_mode
+    for stage in stages:
+        stage.compile(backend=backend, mode=mode)
+    log.info("torch.compile %s (mode %s): %d stages", backend, mode, len(stages))
 
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:

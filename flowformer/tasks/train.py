@@ -21,6 +21,7 @@ from flowformer.tasks.runtime import (
     build_callbacks,
     build_loggers,
     checkpoint_dirs,
+    compile_network,
     log_config,
     record_wandb_id,
     resolve_monitor,
@@ -59,6 +60,7 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
             cfg.model.init_from = None
 
     model = hydra.utils.instantiate(cfg.model)
+    compile_network(model.backbone, cfg.runtime)
     resume = None
     if cfg.get("ckpt_path"):
         resume = (cfg.ckpt_path, check_resume_checkpoint(cfg.ckpt_path, model))

@@ -1,0 +1,121 @@
+"""The `runtime` settings of every task that runs the network: `runtime.matmul_precision` (TF32 on a GPU, CPU
+numbers unchanged) and `runtime.compile` (torch.compile of the network's stages in train, eval and bench, with
+plain checkpoint keys and the compile time in bench's rows). Compiling uses a cheap backend here (inductor takes
+minutes on 2 CPU cores); inductor on a GPU is in tests/test_gpu.py."""
+
+import json
+
+import pytest
+import torch
+from conftest import CONF_DIR, build_backbone
+from hydra import compose, initialize_config_dir
+from torch._dynamo import lookup_backend, register_backend
+
+from flowformer.tasks import bench, run_task
+from flowformer.tasks.runtime import compile_network, configure_runtime
+from flowformer.tasks.train import fit
+
+COMPILED_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@register_backend
+def recording_aot_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """aot_eager (AOT autograd, no code generation), recording every graph dynamo hands it."""
+    COMPILED_GRAPHS.append(graph)
+    return lookup_backend("aot_eager")(graph, example_inputs)
+
+
+@register_backend
+def recording_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """The captured graphs run as they are (the cheapest compile), recorded."""
+    COMPILED_GRAPHS.append(graph)
+    return graph.forward
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=["backbone=tiny", *overrides])
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_matmul_precision_sets_torch_for_the_gpu_and_keeps_cpu_matmuls_strict(precision):
+    configure_runtime(config(f"runtime.matmul_precision={precision}").runtime)
+    assert torch.get_float32_matmul_precision() == precision
+    assert torch.backends.cuda.matmul.allow_tf32 == torch.backends.cudnn.allow_tf32 == (precision != "highest")
+    assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_tf32_is_the_default_and_cpu_flow_is_bitwise_the_strict_fp32_flow():
+    assert config().runtime.matmul_precision == "high"
+    torch.manual_seed(0)
+    net = build_backbone().eval()
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    flows = {}
+    for precision in ("highest", "high", "medium"):
+        configure_runtime(config(f"runtime.matmul_precision={precision}").runtime)
+        with torch.no_grad():
+            flows[precision] = net(*images, iters=2)["flow"]
+    assert torch.equal(flows["high"], flows["highest"]) and torch.equal(flows["medium"], flows["highest"])
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_a_bad_matmul_precision_is_one_error_naming_the_key(capsys):
+    with pytest.raises(ValueError, match=r"runtime.matmul_precision='fast': expected one of highest, high"):
+        configure_runtime(config("runtime.matmul_precision=fast").runtime)
+    with pytest.raises(SystemExit) as exit_info:  # as run.py reports it, before any work
+        run_task(config("task=eval", "eval=synthetic", "runtime.matmul_precision=tf32"))
+    assert exit_info.value.code == 1
+    assert "error (ValueError): runtime.matmul_precision='tf32'" in capsys.readouterr().err
+
+
+def test_compile_is_off_by_default_and_leaves_the_network_alone():
+    net = build_backbone()
+    compile_network(net, config().runtime)
+    assert all(module._compiled_call_impl is None for module in net.modules())
+
+
+def test_compiled_network_gives_the_uncompiled_flow():
+    torch.manual_seed(0)
+    net = build_backbone().eval()
+    reference = build_backbone().eval()
+    reference.load_state_dict(net.state_dict())
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=recording_aot_eager").runtime)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    COMPILED_GRAPHS.clear()
+    with torch.no_grad():
+        flow = net(*images, iters=1)["flow"]
+        expected = reference(*images, iters=1)["flow"]
+    assert COMPILED_GRAPHS  # the stages went through torch.compile
+    torch.testing.assert_close(flow, expected)
+    assert list(net.state_dict()) == list(reference.state_dict())
+
+
+def test_training_with_compile_saves_plain_checkpoint_keys(tmp_path):
+    cfg = config(
+        "debug=tiny", "trainer.max_steps=1", "model.train_iters=1", f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path}", "runtime.compile=true", "runtime.compile_backend=recording_eager",
+    )
+    COMPILED_GRAPHS.clear()
+    fit(cfg)
+    assert COMPILED_GRAPHS  # the training step ran the compiled stages
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert not [key for key in state if "_orig_mod" in key]
+    assert sorted(state) == sorted(f"backbone.{key}" for key in build_backbone().state_dict())
+
+
+def test_bench_reports_the_compile_time_of_each_row(tmp_path):
+    cfg = config(
+        "bench.device=cpu", "bench.sizes=[[64,96]]", "bench.iters=1", "bench.warmup=1", "bench.repeats=1",
+        "runtime.compile=true", "runtime.compile_backend=eager", f"paths.output_dir={tmp_path}",
+    )
+    bench.run(cfg)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["compile_s"] > 0  # dynamo traced the stages in the first step
+    assert report["setup"]["compile"] == "eager (default)" and report["setup"]["matmul_precision"] == "high"
+    header, _, line = (tmp_path / "bench.md").read_text().splitlines()
+    assert "| seconds per step | compile s |" in header and line.count("|") == header.count("|")
+    with pytest.raises(ValueError, match="runtime.compile=true needs bench.warmup >= 1"):
+        bench.run(config("runtime.compile=true", "bench.warmup=0", f"paths.output_dir={tmp_path}"))
