@@ -214,7 +214,8 @@ def configure_runtime(settings: DictConfig) -> None:
             f"runtime.matmul_precision={precision!r}: expected one of {', '.join(MATMUL_PRECISIONS)}"
         )
     torch.set_float32_matmul_precision(precision)
-    torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+    if hasattr(torch.backends.mkldnn, "matmul"):  # newer torch: the setting would also reach oneDNN CPU matmuls
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
     torch.backends.cudnn.allow_tf32 = precision != "highest"
 
 
