@@ -84,6 +84,11 @@ def test_memory_budget_must_be_positive():
         tiny(memory_budget_gb=0)
 
 
+def small_blocks(net: FlowFormer, batch: int, h1: int, w1: int) -> MemoryPlan:
+    """A bounded plan with small blocks, so every bounded path runs in several pieces at test sizes."""
+    return MemoryPlan(cost_rows=7, gma_queries=9)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
     g = torch.Generator().manual_seed(0)
@@ -91,10 +96,9 @@ def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
     image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
     dense_net, bounded_net = tiny(), tiny(memory_budget_gb=1e-6)
     bounded_net.load_state_dict(dense_net.state_dict())
-    plan = bounded_net.memory_plan(torch.zeros(batch, 64, 6, 8))
+    plan = bounded_net.memory_plan(batch, 6, 8)
     assert plan.cost_rows is not None and plan.gma_queries is not None
-    # small blocks, so every path runs in several pieces at this size
-    monkeypatch.setattr(FlowFormer, "memory_plan", lambda self, feat1: MemoryPlan(cost_rows=7, gma_queries=9))
+    monkeypatch.setattr(FlowFormer, "memory_plan", small_blocks)
     with torch.no_grad():
         dense = dense_net(image1, image2, iters=4)
         bounded = bounded_net(image1, image2, iters=4)
@@ -102,9 +106,25 @@ def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
     torch.testing.assert_close(bounded["flow_low"], dense["flow_low"], rtol=0, atol=1e-4)
 
 
+def test_bounded_forward_encodes_one_image_at_a_time(monkeypatch):
+    """The feature encoder's activations are the largest left once the cost volume is bounded; a bounded plan
+    runs it on each image in turn, the dense path on the pair as one batch (as the official code)."""
+    net = tiny()
+    batches = []
+    net.memory_encoder.feat_encoder.register_forward_hook(lambda module, args, out: batches.append(len(args[0])))
+    image1 = torch.rand(2, 3, 48, 64) * 255
+    image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
+    with torch.no_grad():
+        net(image1, image2, iters=1)
+        assert batches == [4]
+        monkeypatch.setattr(FlowFormer, "memory_plan", small_blocks)
+        net(image1, image2, iters=1)
+    assert batches == [4, 2, 2]
+
+
 def test_bounded_forward_never_builds_the_whole_volume(monkeypatch):
     net = tiny()
-    monkeypatch.setattr(FlowFormer, "memory_plan", lambda self, feat1: MemoryPlan(cost_rows=7, gma_queries=9))
+    monkeypatch.setattr(FlowFormer, "memory_plan", small_blocks)
 
     def refuse(*args):
         raise AssertionError("the dense cost volume was built")

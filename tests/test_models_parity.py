@@ -79,7 +79,7 @@ def test_bounded_memory_path_matches_official_and_dense(run_a: dict, expected: d
     torch.set_num_threads(2)
     net = load_official(FIXTURE_A / "weights_fp16.pth", variant="flowformer", memory_budget_gb=0.05)
     image1, image2 = read_png(FIXTURE_A / "image1.png"), read_png(FIXTURE_A / "image2.png")
-    plan = net.memory_plan(torch.zeros(1, 256, 46, 62))
+    plan = net.memory_plan(1, 46, 62)
     assert plan.cost_rows < 46 * 62 and plan.gma_queries < 46 * 62
     with torch.no_grad():
         out = net(image1, image2, iters=32)

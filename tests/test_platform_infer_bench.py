@@ -159,9 +159,9 @@ def test_infer_bounds_memory_by_default(monkeypatch):
     monkeypatch.setattr(infer, "available_memory_gb", lambda device: 0.002)
     backbone = infer.memory_budget(config().backbone, CPU)  # tiny.yaml: memory_budget_gb null
     assert backbone.memory_budget_gb == 0.001  # half of what is free
-    features = torch.zeros(1, backbone.feature_dim, 32, 32)  # a 256x256 pair at 1/8
-    assert not load_network(backbone, None, CPU).memory_plan(features).dense
-    assert load_network(config().backbone, None, CPU).memory_plan(features).dense  # elsewhere null = dense
+    pair_at_one_eighth = (1, 32, 32)  # one 256x256 pair
+    assert not load_network(backbone, None, CPU).memory_plan(*pair_at_one_eighth).dense
+    assert load_network(config().backbone, None, CPU).memory_plan(*pair_at_one_eighth).dense  # null = dense
     chosen = config("backbone.memory_budget_gb=3").backbone
     assert infer.memory_budget(chosen, CPU).memory_budget_gb == 3
 
