@@ -1,4 +1,4 @@
-"""The resolved-config view the config tests share: `python run.py <overrides>` composed without running."""
+"""The resolved-config views the tests share: `python run.py <overrides>` composed without running."""
 
 from pathlib import Path
 
@@ -16,3 +16,10 @@ def compose_run_config(overrides: list[str]) -> DictConfig:
             overrides=["paths.root_dir=/root", "paths.output_dir=/out", *overrides],
             return_hydra_config=True,
         )
+
+
+def compose_tiny_config(*overrides: str) -> DictConfig:
+    """conf/config.yaml with the tiny backbone and overrides, as a task receives it (no hydra node; the run
+    directory is the config's own unless an override sets paths.output_dir)."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=["backbone=tiny", *overrides])

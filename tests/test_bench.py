@@ -5,15 +5,13 @@ import json
 
 import pytest
 import torch
-from conftest import CONF_DIR
-from hydra import compose, initialize_config_dir
+from compose_helper import compose_tiny_config
 
 from flowformer.tasks import bench
 
 
 def config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["backbone=tiny", "bench.device=cpu", *overrides])
+    return compose_tiny_config("bench.device=cpu", *overrides)
 
 
 def test_bench_writes_a_row_per_size_path_and_precision(tmp_path):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF_DIR, build_backbone
-from hydra import compose, initialize_config_dir
+from compose_helper import compose_tiny_config
+from conftest import build_backbone
 from run_helper import run_py
 
 from flowformer.tasks.runtime import compile_network, configure_runtime
@@ -64,21 +64,17 @@ def test_ddp_over_nccl_launched_by_lightning(tmp_path) -> None:
     assert last["global_step"] == 3
 
 
-def runtime_settings(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides)).runtime
-
-
 @pytest.mark.usefixtures("restore_matmul_precision")
 def test_tf32_by_default_and_an_inductor_compiled_forward_matches_eager() -> None:
-    configure_runtime(runtime_settings())
+    configure_runtime(compose_tiny_config().runtime)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    configure_runtime(runtime_settings("runtime.matmul_precision=highest"))  # compiled vs eager, not TF32
+    # compiled against eager, without TF32 rounding in either
+    configure_runtime(compose_tiny_config("runtime.matmul_precision=highest").runtime)
     torch.manual_seed(0)
     net = build_backbone().eval().cuda()
     reference = build_backbone().eval().cuda()
     reference.load_state_dict(net.state_dict())
-    compile_network(net, runtime_settings("runtime.compile=true"))  # inductor
+    compile_network(net, compose_tiny_config("runtime.compile=true").runtime)  # inductor
     image1, image2 = (torch.rand(1, 3, 64, 96, device="cuda") * 255 for _ in range(2))
     with torch.no_grad():
         flow = net(image1, image2, iters=4)["flow"]

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 from compose_helper import compose_run_config
-from conftest import CONF_DIR
-from hydra import compose, initialize_config_dir
+from compose_helper import compose_tiny_config as config
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.models import save_backbone
@@ -20,11 +19,6 @@ from flowformer.tasks.runtime import autocast_context, available_memory_gb, load
 
 CPU = torch.device("cpu")
 HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
-
-
-def config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["backbone=tiny", *overrides])
 
 
 @pytest.fixture(scope="module")

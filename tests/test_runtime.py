@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import CONF_DIR, build_backbone
-from hydra import compose, initialize_config_dir
+from compose_helper import compose_tiny_config as config
+from conftest import build_backbone
 from torch._dynamo import lookup_backend, register_backend
 
 from flowformer.tasks import bench, run_task
@@ -30,11 +30,6 @@ def recording_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tens
     """The captured graphs run as they are (the cheapest compile), recorded."""
     COMPILED_GRAPHS.append(graph)
     return graph.forward
-
-
-def config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["backbone=tiny", *overrides])
 
 
 @pytest.mark.usefixtures("restore_matmul_precision")

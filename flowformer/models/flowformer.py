@@ -7,9 +7,10 @@ and the decoder (`MemoryDecoder`). flowformer/models/build.py builds them from t
 
 Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode`. With
 `memory_budget_gb`, `forward` bounds the terms that grow with (H/8·W/8)² (flowformer/models/memory_plan.py): the
-cost volume is then a FeatureCostVolume, computed in blocks, and the feature encoder sees one image at a time. Children carry the official names
-(`memory_encoder`, `memory_decoder`, `context_encoder`), so `state_dict()` keys equal the official checkpoint keys
-without the `module.` prefix that the released files carry (they were saved from `nn.DataParallel`).
+cost volume is then a FeatureCostVolume, computed in blocks, and the feature encoder sees one image at a time.
+Children carry the official names (`memory_encoder`, `memory_decoder`, `context_encoder`), so `state_dict()` keys
+equal the official checkpoint keys without the `module.` prefix that the released files carry (they were saved
+from `nn.DataParallel`).
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class FlowFormer(nn.Module):
 
         The feature encoder sees both images as one batch [2B, 3, H, W], as the official code; one_at_a_time
         runs it on each image in turn instead, which lowers its peak memory (Twins, measured: 0.77 instead of
-        1.50 GiB at 1080x1920, 0.34 instead of 0.45 GiB at 440x1024) and gives the same numbers to float rounding: every image encoder here normalises each image
-        on its own (Twins' LayerNorm, the CNN's InstanceNorm)."""
+        1.50 GiB at 1080x1920, 0.34 instead of 0.45 GiB at 440x1024) and gives the same numbers to float
+        rounding: every image encoder here normalises each image on its own (Twins' LayerNorm, the CNN's
+        InstanceNorm)."""
         _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0

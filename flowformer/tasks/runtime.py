@@ -227,7 +227,7 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     Each stage compiles on its first call with a new input shape or mode (train / eval)."""
     if not settings.compile:
         return
-    stages = [net.context_encoder, *net.feature_encoder_modules(), net.cost_encoder, net.memory_decoder]
+    stages = [*net.context_encoder_modules(), *net.feature_encoder_modules(), net.cost_encoder, net.memory_decoder]
     backend, mode = settings.compile_backend, settings.compile_mode
     for stage in stages:
         stage.compile(backend=backend, mode=mode)
