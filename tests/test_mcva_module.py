@@ -50,6 +50,31 @@ def test_injected_draws_replay_the_step_exactly_and_are_used():
     assert not torch.equal(other_mask.round_losses, first.round_losses)
 
 
+def test_memory_budget_bounds_the_step_with_the_same_loss_and_gradients(monkeypatch):
+    """backbone.memory_budget_gb applies to pretraining: the cost maps come in blocks from the features, the
+    query and target windows are sampled from the features, and loss and gradients stay those of the dense
+    step (fixture C checks the same against the official step)."""
+    dense, bounded = make_module(), make_module({"memory_budget_gb": 1e-6})
+    images = image_pair()
+    noise, uniform = draws(dense)
+    assert not bounded.backbone.memory_plan(2, H // 8, W // 8).dense
+    dense_out = dense.pretrain_step(*images, mask_noise=noise, query_uniform=uniform)
+    dense_out.loss.backward()
+
+    def refuse(*args):
+        raise AssertionError("the bounded step built the dense cost volume")
+
+    monkeypatch.setattr(bounded.backbone, "cost_volume", refuse)
+    bounded_out = bounded.pretrain_step(*images, mask_noise=noise, query_uniform=uniform)
+    bounded_out.loss.backward()
+    torch.testing.assert_close(bounded_out.round_losses, dense_out.round_losses, rtol=1e-5, atol=0)
+    grads = {name: p.grad for name, p in dense.backbone.named_parameters() if p.grad is not None}
+    bounded_grads = {name: p.grad for name, p in bounded.backbone.named_parameters() if p.grad is not None}
+    assert bounded_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(bounded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_loss_is_the_left_to_right_sum_of_rounds_of_normalised_target_mse():
     module = make_module(query_num=4)
     images = image_pair()

@@ -1,8 +1,10 @@
 """One official FlowFormer++ MCVA pretraining step (fixture C) replayed through MCVAPretrainModule.
 
 The recorded mask noise and the 30 recorded query-location draws are injected through the module's own API
-(`pretrain_step(mask_noise=..., query_uniform=...)`). The step needs ~11 GB and ~40 s on CPU: run it under
-`flock /tmp/heavy.lock` (it is marked slow).
+(`pretrain_step(mask_noise=..., query_uniform=...)`). The step runs twice: with the dense cost volume and with
+`memory_budget_gb` small enough to bound it (cost maps computed in blocks from the features, the 9x9 query and
+15x15 target windows sampled from the features), which must leave the loss, the targets and the gradients
+unchanged. Each step needs ~11 GB and ~40 s on CPU: run it under `flock /tmp/heavy.lock` (it is marked slow).
 """
 
 import json
@@ -22,8 +24,15 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-@pytest.fixture(scope="module")
-def official_step():
+BOUNDED_BUDGET_GB = 0.05  # far below the dense estimate at 368x496, batch 2: every (H/8·W/8)² term is bounded
+
+
+def refuse_dense_volume(*args):
+    raise AssertionError("the memory-bounded MCVA step built the dense cost volume")
+
+
+@pytest.fixture(scope="module", params=[None, BOUNDED_BUDGET_GB], ids=["dense", "bounded"])
+def official_step(request):
     if not (FIXTURE_C / "weights_fp16.pth").exists():
         pytest.skip(f"fixture C not found at {FIXTURE_C}")
     expected = torch.load(FIXTURE_C / "expected.pt", weights_only=False)
@@ -31,10 +40,14 @@ def official_step():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the fixture's thread count (fixtures README: bitwise on this setup)
     try:
-        net = load_official(FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp")
+        net = load_official(FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp", memory_budget_gb=request.param)
+        image1 = expected["image1"].float()
+        assert net.memory_plan(image1.shape[0], 46, 62).dense == (request.param is None)
+        if request.param is not None:
+            net.cost_volume = refuse_dense_volume
         module = MCVAPretrainModule(backbone=net, **mcva_settings()).train()
         output = module.pretrain_step(
-            expected["image1"].float(),
+            image1,
             expected["image2"].float(),
             mask_noise=expected["mask_noise"],
             query_uniform=expected["query_uniform"],

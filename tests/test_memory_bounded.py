@@ -85,8 +85,9 @@ def test_memory_budget_must_be_positive():
 
 
 def small_blocks(net: FlowFormer, batch: int, h1: int, w1: int) -> MemoryPlan:
-    """A bounded plan with small blocks, so every bounded path runs in several pieces at test sizes."""
-    return MemoryPlan(cost_rows=7, gma_queries=9)
+    """A bounded plan with small blocks, so every bounded path runs in several pieces at test sizes (one latent
+    row and one source pixel per AGT block)."""
+    return MemoryPlan(cost_rows=7, gma_queries=9, agt_bytes=1)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -104,6 +105,32 @@ def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
         bounded = bounded_net(image1, image2, iters=4)
     torch.testing.assert_close(bounded["flow"], dense["flow"], rtol=0, atol=1e-4)
     torch.testing.assert_close(bounded["flow_low"], dense["flow_low"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("cost_encoder", ["agt", "mixer"])
+def test_agt_layers_in_row_blocks_equal_one_pass(cost_encoder):
+    """With an activation budget the AGT layers run over blocks of rows (source pixels for the intra-cost-map
+    layers, one image's latent rows with that image's context for LSA/GSA), and give the same cost memory."""
+    net = tiny(cost_encoder=cost_encoder)
+    encoder = net.cost_encoder
+    g = torch.Generator().manual_seed(1)
+    image1 = torch.rand(2, 3, 48, 64, generator=g) * 255
+    image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
+    inter_rows, intra_rows = [], []
+    encoder.vertical_encoder_layers[0].register_forward_hook(lambda m, args, out: inter_rows.append(len(args[0])))
+    encoder.encoder_layers[0].register_forward_hook(lambda m, args, out: intra_rows.append(len(args[0])))
+    budget = 5 * encoder.latent_row_bytes(6, 8) // 2  # 2 latent rows at once
+    pixels = budget // encoder.pixel_row_bytes()
+    assert pixels < 2 * 48
+    with torch.no_grad():
+        feat1, feat2, context = net.encode_images(image1, image2)
+        cost_maps = net.cost_volume(feat1, feat2)
+        whole = net.encode_cost(cost_maps, context)
+        blocks = net.encode_cost(cost_maps, context, activation_budget=budget)
+    k = encoder.num_latent_tokens  # 4: two blocks of 2 latent rows per image
+    assert inter_rows == [2 * k, 2, 2, 2, 2]
+    assert intra_rows == [2 * 48, *(len(part) for part in torch.arange(2 * 48).split(pixels))]
+    torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-5)
 
 
 def test_bounded_forward_encodes_one_image_at_a_time(monkeypatch):

@@ -315,6 +315,9 @@ class CostEncoder(nn.Module):
         context: image 1's context features [B, C, H1, W1] (an encoder may ignore them).
         token_mask: MCVA only: which 8x8 patches of each cost map the encoder must not see. An encoder that
             cannot hide patches sets `supports_token_mask = False`; FlowFormer then refuses masked encoding.
+    An encoder with `supports_activation_budget = True` also takes `activation_budget` (bytes or None): a
+    memory-bounded plan's share for the transient activations of its layers over the cost memory, which it
+    then runs over blocks of rows (FlowFormer passes it only to such encoders).
     Attributes: `cost_heads` (cost maps per source pixel), `num_latent_tokens` (K) and `latent_dim` (D, the
     width the decoder reads the memory with).
     """
@@ -323,6 +326,7 @@ class CostEncoder(nn.Module):
     num_latent_tokens: int
     latent_dim: int
     supports_token_mask: bool = True
+    supports_activation_budget: bool = False
 
     def cost_map_bytes(self, height: int, width: int) -> int:
         """Bytes one [heads, height, width] cost map costs while it is encoded (MemoryPlan sizes its blocks
@@ -381,9 +385,24 @@ class CostPerceiverEncoder(CostEncoder):
             ]
         )
 
+    supports_activation_budget = True
+
     def intra_layer(self) -> nn.Module:
         """One intra-cost-map layer, [N, K, D] -> [N, K, D]: self-attention over the K tokens."""
         return SelfAttentionLayer(dim=self.latent_dim)
+
+    def pixel_row_bytes(self) -> int:
+        """Upper estimate of the transient fp32 activations of an intra-cost-map layer per source pixel (one
+        [K, D] row): normed input, q, k, v, attention output, projection, FFN in and out (8 x K·D, ample
+        for the Mixer's 4x token and channel MLPs too) and the [heads, K, K] logits with their softmax."""
+        k, d = self.num_latent_tokens, self.latent_dim
+        return (12 * k * d + 2 * HEADS * k * k) * FLOAT_BYTES
+
+    def latent_row_bytes(self, h1: int, w1: int) -> int:
+        """Upper estimate of the transient fp32 activations of an inter-cost-map layer (LSA or GSA block) per
+        latent row [H1·W1, D]: per position the window logits and their softmax (heads x 7²), and about 16 D
+        for the padded copies, q, k, v, outputs and the 4x MLP's hidden layer and its GELU."""
+        return h1 * w1 * (2 * HEADS * WINDOW**2 + 16 * self.latent_dim) * FLOAT_BYTES
 
     def cost_map_bytes(self, height: int, width: int) -> int:
         return self.patch_embed.activation_bytes(height, width)
@@ -417,18 +436,56 @@ class CostPerceiverEncoder(CostEncoder):
                 pieces.append(self._tokenize_rows(*args))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def forward(self, cost: Tensor | CostVolume, context: Tensor, token_mask: TokenMask | None = None) -> Tensor:
-        """cost: the volume [B*H1*W1, heads, H2, W2] or a CostVolume -> cost memory [B*H1*W1, K, D]."""
+    def forward(
+        self,
+        cost: Tensor | CostVolume,
+        context: Tensor,
+        token_mask: TokenMask | None = None,
+        activation_budget: int | None = None,
+    ) -> Tensor:
+        """cost: the volume [B*H1*W1, heads, H2, W2] or a CostVolume -> cost memory [B*H1*W1, K, D].
+
+        activation_budget: bytes for the transient activations of each AGT layer (None: every row at once, the
+        official computation). The intra-cost-map layers then run over blocks of source pixels and the
+        inter-cost-map layers over blocks of the latent rows of one image; every row is computed as in one
+        pass."""
         batch, _, h1, w1 = context.shape
         x = self.tokenize(cost, token_mask)
         shortcut = x  # [B*H1*W1, K, D]
+        pixel_rows = latent_rows = None
+        if activation_budget is not None:
+            pixel_rows = max(1, activation_budget // self.pixel_row_bytes())
+            latent_rows = max(1, activation_budget // self.latent_row_bytes(h1, w1))
         for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
-            x = intra(x)
+            x = _in_row_blocks(intra, x, pixel_rows)
             # row b*K + k holds slot k of every source pixel of image b
             x = rearrange(x, "(b n) k d -> (b k) n d", b=batch)  # -> [B*K, H1*W1, D]
-            x = inter(x, (h1, w1), context)
+            x = _inter_in_row_blocks(inter, x, (h1, w1), context, latent_rows)
             x = rearrange(x, "(b k) n d -> (b n) k d", b=batch)  # -> [B*H1*W1, K, D]
         return x + shortcut
+
+
+def _in_row_blocks(layer: nn.Module, x: Tensor, rows: int | None) -> Tensor:
+    """layer over x [R, ...] in blocks of at most `rows` rows (None: at once); rows are independent."""
+    if rows is None or rows >= x.shape[0]:
+        return layer(x)
+    return torch.cat([layer(part) for part in x.split(rows)])
+
+
+def _inter_in_row_blocks(
+    layer: nn.Module, x: Tensor, size: tuple[int, int], context: Tensor, rows: int | None
+) -> Tensor:
+    """An inter-cost-map layer over x [B*K, H1*W1, D] with context [B, C, H1, W1], in blocks of at most `rows`
+    latent rows of one image, each with its own image's context [1, C, H1, W1]; None: all rows at once."""
+    if rows is None or rows >= x.shape[0]:
+        return layer(x, size, context)
+    per_image = x.shape[0] // context.shape[0]
+    pieces = [
+        layer(part, size, context[image : image + 1])
+        for image in range(context.shape[0])
+        for part in x[image * per_image : (image + 1) * per_image].split(rows)
+    ]
+    return torch.cat(pieces)
 
 
 class MixerLayer(nn.Module):

@@ -140,15 +140,23 @@ class FlowFormer(nn.Module):
         return FeatureCostVolume(feat1, feat2, self.cost_encoder.cost_heads, plan.cost_rows)
 
     def encode_cost(
-        self, cost: Tensor | CostVolume, context: Tensor, token_mask: TokenMask | None = None
+        self,
+        cost: Tensor | CostVolume,
+        context: Tensor,
+        token_mask: TokenMask | None = None,
+        activation_budget: int | None = None,
     ) -> Tensor:
         """cost maps [B*H1*W1, heads, H1, W1] (or a CostVolume), context [B, C, H1, W1] -> cost memory
-        [B*H1*W1, K, D]; token_mask (MCVA) hides cost-map patches from the cost encoder."""
+        [B*H1*W1, K, D]; token_mask (MCVA) hides cost-map patches from the cost encoder; activation_budget
+        (MemoryPlan.agt_bytes) bounds the transients of its layers over the cost memory, where the encoder
+        supports it."""
         if token_mask is not None and not self.cost_encoder.supports_token_mask:
             raise ValueError(
                 f"the cost encoder {type(self.cost_encoder).__name__} cannot hide cost-map patches, so MCVA "
                 "cannot pretrain it; pick a cost encoder with supports_token_mask (backbone.cost_encoder)"
             )
+        if activation_budget is not None and self.cost_encoder.supports_activation_budget:
+            return self.cost_encoder(cost, context, token_mask, activation_budget=activation_budget)
         return self.cost_encoder(cost, context, token_mask)
 
     def query_cost_memory(
@@ -214,7 +222,7 @@ class FlowFormer(nn.Module):
         # a bounded plan also encodes the images one at a time
         feat1, feat2, context = self.encode_images(image1, image2, one_at_a_time=not plan.dense)
         cost = self.correlation(feat1, feat2, plan)
-        cost_memory = self.encode_cost(cost, context)
+        cost_memory = self.encode_cost(cost, context, activation_budget=plan.agt_bytes)
         steps = self.decode(
             cost_memory,
             cost,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.models.cost_encoder import PATCH
-from flowformer.models.layers import sample_cost_window
+from flowformer.models.cost_volume import as_cost_volume
 from flowformer.models.token_mask import TokenMask
 
 MaskingStrategy = Literal["block", "random"]
@@ -250,9 +250,14 @@ def mcva_forward(
             "MCVA needs a backbone with a reconstruction head: build it with variant='flowformer_pp' "
             "(e.g. backbone=flowformer_pp or backbone=tiny)."
         )
-    feat1, feat2, context = net.encode_images(image1, image2)
-    cost_maps = net.cost_volume(feat1, feat2)  # [B*H1*W1, heads, H1, W1], unmasked
-    batch, (h1, w1) = image1.shape[0], cost_maps.shape[-2:]
+    batch, _, height, width = image1.shape
+    # backbone.memory_budget_gb bounds pretraining as it bounds forward: the cost maps are then computed in
+    # blocks from the features and the target windows sampled from them, with the same numbers
+    plan = net.memory_plan(batch, height // 8, width // 8)
+    feat1, feat2, context = net.encode_images(image1, image2, one_at_a_time=not plan.dense)
+    cost = as_cost_volume(net.correlation(feat1, feat2, plan))  # unmasked, [B*H1*W1, heads, H1, W1] maps
+    h1, w1 = cost.map_size
+    device = feat1.device
     if tuple(mask_noise.shape[:3]) != (batch, h1, w1):
         raise ValueError(
             f"mask noise {tuple(mask_noise.shape)} does not match the 1/8-res cost volume: expected "
@@ -261,25 +266,25 @@ def mcva_forward(
     if objective.recon_location == "random" and (query_uniform is None or query_uniform.shape[0] != objective.query_num):
         got = None if query_uniform is None else tuple(query_uniform.shape)
         raise ValueError(f"query_uniform must be [query_num={objective.query_num}, B, 2, H1, W1], got {got}")
-    token_mask = mask_generator.token_mask(mask_noise.to(cost_maps.device))
-    cost_memory = net.encode_cost(cost_maps, context, token_mask=token_mask)  # [B*H1*W1, K, D]
+    token_mask = mask_generator.token_mask(mask_noise.to(device))
+    cost_memory = net.encode_cost(cost, context, token_mask, plan.agt_bytes)  # [B*H1*W1, K, D]
 
     memory_kv = net.cost_memory_kv(cost_memory)  # computed once, reused by every round as the official code does
     recon_size = net.pretrain_head.recon_size
-    targets_raw_src = cost_maps.detach()
-    total = torch.zeros((), device=cost_maps.device, dtype=torch.float32)
+    total = torch.zeros((), device=device, dtype=torch.float32)
     round_losses, predictions, targets = [], [], []
     for round_idx in range(objective.query_num):
-        uniform = None if query_uniform is None else query_uniform[round_idx].to(cost_maps.device)
+        uniform = None if query_uniform is None else query_uniform[round_idx].to(device)
         coords = recon_locations(
             uniform,
             shape=(batch, h1, w1),
             recon_size=recon_size,
             location=objective.recon_location,
-            device=cost_maps.device,
+            device=device,
         )
-        target = sample_cost_window(targets_raw_src, coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
-        cost_global = net.query_cost_memory(cost_memory, cost_maps, coords, memory_kv)  # [B, Q, H1, W1]
+        with torch.no_grad():  # the target is a constant of the loss
+            target = cost.window(coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
+        cost_global = net.query_cost_memory(cost_memory, cost, coords, memory_kv)  # [B, Q, H1, W1]
         prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
         round_loss = reconstruction_loss(prediction, target, normalize=objective.normalize)
         total = total + round_loss  # summed (not averaged) left to right from 0, as the official loop

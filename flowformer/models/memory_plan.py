@@ -7,7 +7,9 @@ At 1/8 resolution with N = H1·W1 source pixels, the official computation holds:
 - GMA's global motion attention map in the decoder, B·N·N fp32.
 With a budget, the plan keeps the dense computation when its estimate fits and otherwise bounds each of the
 two remaining terms to a quarter of the budget: cost maps computed in blocks of `cost_rows` source pixels (a
-FeatureCostVolume), the motion attention evaluated for `gma_queries` queries at a time. The numbers are the
+FeatureCostVolume), the motion attention evaluated for `gma_queries` queries at a time. A bounded plan also
+gives the cost encoder's layers over the cost memory (linear in the pixels, but at 1080p each AGT layer's
+transients reach gigabytes) a quarter of the budget, `agt_bytes`, which it spends on blocks of rows. The numbers are the
 same either way (to float rounding). Estimates count fp32 bytes of the named tensors (softmax keeps a second
 copy), not the allocator's overhead.
 """
@@ -26,10 +28,11 @@ class MemoryPlan:
 
     cost_rows: int | None = None
     gma_queries: int | None = None
+    agt_bytes: int | None = None
 
     @property
     def dense(self) -> bool:
-        return self.cost_rows is None and self.gma_queries is None
+        return self.cost_rows is None and self.gma_queries is None and self.agt_bytes is None
 
 
 def plan_memory(
@@ -55,4 +58,5 @@ def plan_memory(
     return MemoryPlan(
         cost_rows=max(1, min(batch * n, int(share // cost_map_bytes))),
         gma_queries=max(1, min(n, int(share // per_gma_query))),
+        agt_bytes=int(share),
     )
