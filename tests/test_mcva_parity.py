@@ -40,7 +40,9 @@ def official_step(request):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the fixture's thread count (fixtures README: bitwise on this setup)
     try:
-        net = load_official(FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp", memory_budget_gb=request.param)
+        net = load_official(
+            FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp", memory_budget_gb=request.param
+        )
         image1 = expected["image1"].float()
         assert net.memory_plan(image1.shape[0], 46, 62).dense == (request.param is None)
         if request.param is not None:

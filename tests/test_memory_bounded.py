@@ -85,8 +85,8 @@ def test_memory_budget_must_be_positive():
 
 
 def small_blocks(net: FlowFormer, batch: int, h1: int, w1: int) -> MemoryPlan:
-    """A bounded plan with small blocks, so every bounded path runs in several pieces at test sizes (one latent
-    row and one source pixel per AGT block)."""
+    """A bounded plan with small blocks, so every bounded path runs in several pieces at test sizes (one
+    latent row and one source pixel per AGT block)."""
     return MemoryPlan(cost_rows=7, gma_queries=9, agt_bytes=1)
 
 
@@ -117,8 +117,8 @@ def test_agt_layers_in_row_blocks_equal_one_pass(cost_encoder):
     image1 = torch.rand(2, 3, 48, 64, generator=g) * 255
     image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
     inter_rows, intra_rows = [], []
-    encoder.vertical_encoder_layers[0].register_forward_hook(lambda m, args, out: inter_rows.append(len(args[0])))
-    encoder.encoder_layers[0].register_forward_hook(lambda m, args, out: intra_rows.append(len(args[0])))
+    encoder.vertical_encoder_layers[0].register_forward_hook(lambda m, a, out: inter_rows.append(len(a[0])))
+    encoder.encoder_layers[0].register_forward_hook(lambda m, a, out: intra_rows.append(len(a[0])))
     budget = 5 * encoder.latent_row_bytes(6, 8) // 2  # 2 latent rows at once
     pixels = budget // encoder.pixel_row_bytes()
     assert pixels < 2 * 48

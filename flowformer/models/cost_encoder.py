@@ -344,6 +344,8 @@ class CostPerceiverEncoder(CostEncoder):
     projected context (0: context-free, FlowFormer-small); `gsa_key_pe`: the GSA keys carry a sine code.
     """
 
+    supports_activation_budget = True
+
     def __init__(
         self,
         *,
@@ -384,8 +386,6 @@ class CostPerceiverEncoder(CostEncoder):
                 for _ in range(agt_depth)
             ]
         )
-
-    supports_activation_budget = True
 
     def intra_layer(self) -> nn.Module:
         """One intra-cost-map layer, [N, K, D] -> [N, K, D]: self-attention over the K tokens."""

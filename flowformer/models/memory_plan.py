@@ -9,9 +9,9 @@ With a budget, the plan keeps the dense computation when its estimate fits and o
 two remaining terms to a quarter of the budget: cost maps computed in blocks of `cost_rows` source pixels (a
 FeatureCostVolume), the motion attention evaluated for `gma_queries` queries at a time. A bounded plan also
 gives the cost encoder's layers over the cost memory (linear in the pixels, but at 1080p each AGT layer's
-transients reach gigabytes) a quarter of the budget, `agt_bytes`, which it spends on blocks of rows. The numbers are the
-same either way (to float rounding). Estimates count fp32 bytes of the named tensors (softmax keeps a second
-copy), not the allocator's overhead.
+transients reach gigabytes) a quarter of the budget, `agt_bytes`, which it spends on blocks of rows. The
+numbers are the same either way (to float rounding). Estimates count fp32 bytes of the named tensors (softmax
+keeps a second copy), not the allocator's overhead.
 """
 
 from __future__ import annotations
