@@ -69,6 +69,11 @@ def mask_generator(**overrides) -> CostMaskGenerator:
     return CostMaskGenerator(**{k: settings[k] for k in ("masking", "mask_ratio", "min_block", "max_block")})
 
 
+def refuse_dense_volume(*args):
+    """Stands in for `FlowFormer.cost_volume` where a memory-bounded path must not build the dense volume."""
+    raise AssertionError("the dense cost volume was built")
+
+
 @pytest.fixture
 def restore_matmul_precision():
     """Puts torch's fp32 precision settings (runtime.matmul_precision, flowformer/tasks/runtime.py) back."""

@@ -4,7 +4,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import backbone_config, mask_generator, mcva_settings
+from conftest import backbone_config, mask_generator, mcva_settings, refuse_dense_volume
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch.utils.data import DataLoader
 
@@ -60,11 +60,7 @@ def test_memory_budget_bounds_the_step_with_the_same_loss_and_gradients(monkeypa
     assert not bounded.backbone.memory_plan(2, H // 8, W // 8).dense
     dense_out = dense.pretrain_step(*images, mask_noise=noise, query_uniform=uniform)
     dense_out.loss.backward()
-
-    def refuse(*args):
-        raise AssertionError("the bounded step built the dense cost volume")
-
-    monkeypatch.setattr(bounded.backbone, "cost_volume", refuse)
+    monkeypatch.setattr(bounded.backbone, "cost_volume", refuse_dense_volume)
     bounded_out = bounded.pretrain_step(*images, mask_noise=noise, query_uniform=uniform)
     bounded_out.loss.backward()
     torch.testing.assert_close(bounded_out.round_losses, dense_out.round_losses, rtol=1e-5, atol=0)

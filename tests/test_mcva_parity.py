@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import mcva_settings
+from conftest import mcva_settings, refuse_dense_volume
 
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.models import load_official
@@ -25,10 +25,6 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 BOUNDED_BUDGET_GB = 0.05  # far below the dense estimate at 368x496, batch 2: every (H/8·W/8)² term is bounded
-
-
-def refuse_dense_volume(*args):
-    raise AssertionError("the memory-bounded MCVA step built the dense cost volume")
 
 
 @pytest.fixture(scope="module", params=[None, BOUNDED_BUDGET_GB], ids=["dense", "bounded"])

@@ -393,8 +393,9 @@ class CostPerceiverEncoder(CostEncoder):
 
     def pixel_row_bytes(self) -> int:
         """Upper estimate of the transient fp32 activations of an intra-cost-map layer per source pixel (one
-        [K, D] row): normed input, q, k, v, attention output, projection, FFN in and out (8 x K·D, ample
-        for the Mixer's 4x token and channel MLPs too) and the [heads, K, K] logits with their softmax."""
+        [K, D] row): 12 K·D for the normed input, q, k, v, attention output, projection and the FFN's tensors
+        (ample for the Mixer's 4x token and channel MLPs too), and the [heads, K, K] logits with their
+        softmax."""
         k, d = self.num_latent_tokens, self.latent_dim
         return (12 * k * d + 2 * HEADS * k * k) * FLOAT_BYTES
 
@@ -480,12 +481,12 @@ def _inter_in_row_blocks(
     if rows is None or rows >= x.shape[0]:
         return layer(x, size, context)
     per_image = x.shape[0] // context.shape[0]
-    pieces = [
-        layer(part, size, context[image : image + 1])
-        for image in range(context.shape[0])
-        for part in x[image * per_image : (image + 1) * per_image].split(rows)
-    ]
-    return torch.cat(pieces)
+    return torch.cat(
+        [
+            _in_row_blocks(lambda part, own=own: layer(part, size, own), image_rows, rows)
+            for image_rows, own in zip(x.split(per_image), context.split(1))
+        ]
+    )
 
 
 class MixerLayer(nn.Module):

@@ -139,6 +139,17 @@ class FlowFormer(nn.Module):
             return self.cost_volume(feat1, feat2)
         return FeatureCostVolume(feat1, feat2, self.cost_encoder.cost_heads, plan.cost_rows)
 
+    def planned_cost_volume(
+        self, image1: Tensor, image2: Tensor
+    ) -> tuple[MemoryPlan, Tensor | CostVolume, Tensor]:
+        """images [B, 3, H, W] in 0..255 -> (the memory plan for them, the unmasked cost volume as the plan
+        allows, context [B, C, H/8, W/8]): the first stages of `forward` and of MCVA pretraining. A bounded
+        plan also encodes the images one at a time."""
+        batch, _, height, width = image1.shape
+        plan = self.memory_plan(batch, height // 8, width // 8)
+        feat1, feat2, context = self.encode_images(image1, image2, one_at_a_time=not plan.dense)
+        return plan, self.correlation(feat1, feat2, plan), context
+
     def encode_cost(
         self,
         cost: Tensor | CostVolume,
@@ -217,11 +228,7 @@ class FlowFormer(nn.Module):
             raise ValueError(
                 f"FlowFormer.forward: iters must be an integer >= 1 (refinement iterations), got {iters!r}"
             )
-        batch, _, height, width = image1.shape
-        plan = self.memory_plan(batch, height // 8, width // 8)
-        # a bounded plan also encodes the images one at a time
-        feat1, feat2, context = self.encode_images(image1, image2, one_at_a_time=not plan.dense)
-        cost = self.correlation(feat1, feat2, plan)
+        plan, cost, context = self.planned_cost_volume(image1, image2)
         cost_memory = self.encode_cost(cost, context, activation_budget=plan.agt_bytes)
         steps = self.decode(
             cost_memory,

@@ -250,14 +250,11 @@ def mcva_forward(
             "MCVA needs a backbone with a reconstruction head: build it with variant='flowformer_pp' "
             "(e.g. backbone=flowformer_pp or backbone=tiny)."
         )
-    batch, _, height, width = image1.shape
     # backbone.memory_budget_gb bounds pretraining as it bounds forward: the cost maps are then computed in
     # blocks from the features and the target windows sampled from them, with the same numbers
-    plan = net.memory_plan(batch, height // 8, width // 8)
-    feat1, feat2, context = net.encode_images(image1, image2, one_at_a_time=not plan.dense)
-    cost = as_cost_volume(net.correlation(feat1, feat2, plan))  # unmasked, [B*H1*W1, heads, H1, W1] maps
-    h1, w1 = cost.map_size
-    device = feat1.device
+    plan, cost, context = net.planned_cost_volume(image1, image2)
+    cost = as_cost_volume(cost)  # unmasked, [B*H1*W1, heads, H1, W1] maps
+    batch, (h1, w1), device = image1.shape[0], cost.map_size, context.device
     if tuple(mask_noise.shape[:3]) != (batch, h1, w1):
         raise ValueError(
             f"mask noise {tuple(mask_noise.shape)} does not match the 1/8-res cost volume: expected "
