@@ -9,6 +9,7 @@ from conftest import build_backbone, refuse_dense_volume
 from flowformer.models import FlowFormer, sample_cost_window
 from flowformer.models.cost_encoder import PatchEmbed
 from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, dense_cost_maps
+from flowformer.models.encoders import TwinsEncoder
 from flowformer.models.layers import softmax_attention
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
 
@@ -43,7 +44,9 @@ def test_windows_from_features_equal_windows_of_the_volume(radius):
     got = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4).window(coords, radius)
     assert got.shape == expected.shape == (2, 2 * (2 * radius + 1) ** 2, 5, 7)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(DenseCostVolume(dense_cost_maps(feat1, feat2, 2)).window(coords, radius), expected)
+    torch.testing.assert_close(
+        DenseCostVolume(dense_cost_maps(feat1, feat2, 2)).window(coords, radius), expected
+    )
 
 
 def test_training_windows_recompute_the_sampled_features_in_backward():
@@ -87,7 +90,7 @@ def test_memory_budget_must_be_positive():
 def small_blocks(net: FlowFormer, batch: int, h1: int, w1: int) -> MemoryPlan:
     """A bounded plan with small blocks, so every bounded path runs in several pieces at test sizes (one
     latent row and one source pixel per AGT block)."""
-    return MemoryPlan(cost_rows=7, gma_queries=9, agt_bytes=1)
+    return MemoryPlan(cost_rows=7, gma_queries=9, activation_bytes=1)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -133,12 +136,38 @@ def test_agt_layers_in_row_blocks_equal_one_pass(cost_encoder):
     torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-5)
 
 
+def test_twins_blocks_in_row_blocks_equal_one_pass():
+    """With an activation budget each Twins block runs over blocks of token rows: LSA blocks over whole rows
+    of 7x7 windows, GSA blocks over whole rows of the sr_ratio convolution (8 at 1/4, 4 at 1/8 resolution),
+    including a last block below the final whole sr_ratio row, and the features are the same as one pass."""
+    torch.manual_seed(0)
+    encoder = TwinsEncoder().eval()
+    image = torch.randn(1, 3, 72, 120)  # tokens: 18x30 at 1/4 resolution, 9x15 at 1/8
+    calls = {name: [] for name in ("lsa0", "gsa0", "lsa1", "gsa1")}
+    for stage, blocks in enumerate(encoder.svt.blocks):
+        blocks[0].register_forward_hook(lambda m, a, out, s=stage: calls[f"lsa{s}"].append(a[1][0]))
+        blocks[1].attn.sr.register_forward_hook(
+            lambda m, a, out, s=stage: calls[f"gsa{s}"].append(a[0].shape[2])
+        )
+    with torch.no_grad():
+        whole = encoder(image)
+        assert calls == {"lsa0": [18], "gsa0": [18], "lsa1": [9], "gsa1": [9]}
+        calls = {name: [] for name in calls}
+        blocks = encoder(image, activation_budget=1)  # one window or sr_ratio row at a time
+    # token rows per call: LSA in blocks of 7 rows, GSA's convolution in blocks of sr_ratio rows, the rows
+    # below the last whole one (2 at 1/4, 1 at 1/8) left to no convolution as in one pass
+    assert calls == {"lsa0": [7, 7, 4], "gsa0": [8, 8], "lsa1": [7, 2], "gsa1": [4, 4]}
+    torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-5)
+
+
 def test_bounded_forward_encodes_one_image_at_a_time(monkeypatch):
     """The feature encoder's activations are the largest left once the cost volume is bounded; a bounded plan
     runs it on each image in turn, the dense path on the pair as one batch (as the official code)."""
     net = tiny()
     batches = []
-    net.memory_encoder.feat_encoder.register_forward_hook(lambda module, args, out: batches.append(len(args[0])))
+    net.memory_encoder.feat_encoder.register_forward_hook(
+        lambda module, args, out: batches.append(len(args[0]))
+    )
     image1 = torch.rand(2, 3, 48, 64) * 255
     image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
     with torch.no_grad():

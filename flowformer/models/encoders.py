@@ -1,7 +1,8 @@
 """Image encoders: the first two stages of Twins-SVT-Large (timm) and the GMA/RAFT CNN `BasicEncoder`.
 
 Both map a normalised image [B, 3, H, W] to features [B, feature_dim, H/8, W/8] and say which images they accept:
-`kind` names them in messages, `min_image_side` is the smallest image side they take.
+`kind` names them in messages, `min_image_side` is the smallest image side they take. An encoder with
+`supports_activation_budget` also takes `activation_budget` (bytes or None), a bound on its layers' transients.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import timm
 import torch
+import torch.nn.functional as F
+from timm.models.twins import Block as TwinsBlock
+from timm.models.twins import LocallyGroupedAttn
 from torch import Tensor, nn
 
 TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
@@ -24,6 +28,11 @@ _TWINS_NOT_BUILT = (
     "pos_block.2.",
     "pos_block.3.",
 )
+FLOAT_BYTES = 4
+# Upper estimate of the fp32 values a Twins block holds at once per token and channel: the normed input, q, k
+# and v, the attention output and its projection, the first residual sum, the second norm, the 4x MLP's
+# hidden layer and its GELU (8), the MLP output and the second sum (18), and two reshaped copies.
+TWINS_BLOCK_VALUES_PER_CHANNEL = 20
 
 
 class TwinsEncoder(nn.Module):
@@ -42,6 +51,7 @@ class TwinsEncoder(nn.Module):
     kind = "twins"
     min_image_side = 32
     feature_dim = TWINS_DIM
+    supports_activation_budget = True
 
     def __init__(self, *, twins_weights: str | None = None) -> None:
         super().__init__()
@@ -86,18 +96,82 @@ class TwinsEncoder(nn.Module):
             )
         self.svt.load_state_dict(state, strict=True)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, activation_budget: int | None = None) -> Tensor:
+        """[B, 3, H, W] -> [B, 256, H/8, W/8]. activation_budget (bytes; None: at once) runs each transformer
+        block over blocks of token rows (`block_in_row_blocks`), with the same numbers to float rounding."""
         batch = x.shape[0]
         svt = self.svt
         for embed, drop, blocks, pos_block in zip(svt.patch_embeds, svt.pos_drops, svt.blocks, svt.pos_block):
             x, size = embed(x)  # [B, C, H, W] -> tokens [B, H'*W', C']
             x = drop(x)
+            rows = None
+            if activation_budget is not None:
+                row_bytes = batch * size[1] * x.shape[-1] * TWINS_BLOCK_VALUES_PER_CHANNEL * FLOAT_BYTES
+                rows = max(1, activation_budget // row_bytes)
             for j, block in enumerate(blocks):
-                x = block(x, size)
+                x = block_in_row_blocks(block, x, size, rows)
                 if j == 0:
                     x = pos_block(x, size)  # PEG after the first (LSA) block
             x = x.reshape(batch, *size, -1).permute(0, 3, 1, 2).contiguous()
         return x
+
+
+def block_in_row_blocks(block: TwinsBlock, x: Tensor, size: tuple[int, int], rows: int | None) -> Tensor:
+    """A Twins block over tokens x [B, H*W, C] of a size (H, W) grid in blocks of about `rows` token rows
+    (None: at once) -> [B, H*W, C].
+
+    Every part of a block but its attention is per token. Locally-grouped attention (LSA) attends within
+    ws x ws windows laid from the top-left corner (padding at the bottom and right), so blocks of whole window
+    rows hold whole windows. Global sub-sampled attention (GSA) attends from every token to keys that a
+    kernel = stride = sr_ratio convolution sums from the whole grid; that convolution runs over blocks of whole
+    sr_ratio rows (the rows below the last whole one are dropped either way), and the queries over the blocks.
+    Blocks never have fewer rows than a window or an sr_ratio.
+    """
+    height, width = size
+    attn = block.attn
+    stride = attn.ws if isinstance(attn, LocallyGroupedAttn) else attn.sr_ratio
+    if rows is None or rows >= height:
+        return block(x, size)
+    parts = x.split(max(stride, rows // stride * stride) * width, dim=1)
+    if isinstance(attn, LocallyGroupedAttn):
+        return torch.cat([block(part, (part.shape[1] // width, width)) for part in parts], dim=1)
+    keys, values = _gsa_keys_values(block, parts, width)
+    return torch.cat([_gsa_block(block, part, keys, values) for part in parts], dim=1)
+
+
+def _gsa_keys_values(block: TwinsBlock, parts: Sequence[Tensor], width: int) -> tuple[Tensor, Tensor]:
+    """GSA's keys and values from token blocks [B, rows*W, C] of whole sr_ratio rows (timm's
+    `GlobalSubSampleAttn.forward`) -> each [B, heads, M, C/heads], M the sub-sampled grid's positions."""
+    attn = block.attn
+    batch, _, channels = parts[0].shape
+    pooled = []
+    for part in parts:
+        normed = block.norm1(part)
+        if attn.sr is None:
+            pooled.append(normed)
+            continue
+        part_rows = part.shape[1] // width
+        if part_rows < attn.sr_ratio:  # below the last whole sr_ratio rows: the convolution drops them
+            continue
+        grid = normed.permute(0, 2, 1).reshape(batch, channels, part_rows, width)
+        pooled.append(attn.sr(grid).reshape(batch, channels, -1).permute(0, 2, 1))  # -> [B, m, C]
+    kv_input = torch.cat(pooled, dim=1)
+    if attn.norm is not None:
+        kv_input = attn.norm(kv_input)
+    kv = attn.kv(kv_input).reshape(batch, -1, 2, attn.num_heads, channels // attn.num_heads)
+    keys, values = kv.permute(2, 0, 3, 1, 4).unbind(0)
+    return keys, values
+
+
+def _gsa_block(block: TwinsBlock, part: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    """A GSA block (timm's `Block.forward` with `GlobalSubSampleAttn`, no dropout: FlowFormer builds Twins with
+    zero drop rates) on token block part [B, n, C] with the whole grid's keys and values -> [B, n, C]."""
+    attn = block.attn
+    batch, tokens, channels = part.shape
+    queries = attn.q(block.norm1(part)).reshape(batch, tokens, attn.num_heads, channels // attn.num_heads)
+    attended = F.scaled_dot_product_attention(queries.permute(0, 2, 1, 3), keys, values)  # [B, heads, n, C/h]
+    part = part + attn.proj(attended.transpose(1, 2).reshape(batch, tokens, channels))
+    return part + block.mlp(block.norm2(part))
 
 
 class ResidualBlock(nn.Module):
@@ -136,6 +210,8 @@ class BasicEncoder(nn.Module):
 
     kind = "cnn"
     min_image_side = 16
+    # instance norm takes each channel's statistics over the whole image: the encoder runs at once
+    supports_activation_budget = False
 
     def __init__(self, *, feature_dim: int, cnn_widths: Sequence[int]) -> None:
         super().__init__()

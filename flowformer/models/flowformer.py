@@ -92,24 +92,27 @@ class FlowFormer(nn.Module):
 
     # ---- stages ---------------------------------------------------------------------------------------------
     def encode_images(
-        self, image1: Tensor, image2: Tensor, one_at_a_time: bool = False
+        self, image1: Tensor, image2: Tensor, activation_budget: int | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """images [B, 3, H, W] in 0..255 -> (feat1, feat2 [B, C, H/8, W/8], context [B, C, H/8, W/8]).
 
-        The feature encoder sees both images as one batch [2B, 3, H, W], as the official code; one_at_a_time
-        runs it on each image in turn instead, which lowers its peak memory (Twins, measured: 0.77 instead of
-        1.50 GiB at 1080x1920, 0.34 instead of 0.45 GiB at 440x1024) and gives the same numbers to float
-        rounding: every image encoder here normalises each image on its own (Twins' LayerNorm, the CNN's
-        InstanceNorm)."""
+        The feature encoder sees both images as one batch [2B, 3, H, W], as the official code. With an
+        activation_budget (bytes, MemoryPlan.activation_bytes) it runs on each image in turn instead, which
+        lowers its peak memory (Twins, measured: 0.77 instead of 1.50 GiB at 1080x1920, 0.34 instead of 0.45 GiB
+        at 440x1024), and encoders that support it bound their layers' transients to the budget; the numbers
+        are the same to float rounding: every image encoder here normalises each image on its own (Twins'
+        LayerNorm, the CNN's InstanceNorm)."""
         _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
-        context = self.context_encoder(image1)
+        context = _encode(self.context_encoder, image1, activation_budget)
         encoder = self.memory_encoder.feat_encoder
-        if one_at_a_time:
-            feats = torch.cat([encoder(image1), encoder(image2)], dim=0)
-        else:
+        if activation_budget is None:
             feats = encoder(torch.cat([image1, image2], dim=0))
+        else:
+            feats = torch.cat(
+                [_encode(encoder, image, activation_budget) for image in (image1, image2)], dim=0
+            )
         if hasattr(self.memory_encoder, "channel_convertor"):
             feats = self.memory_encoder.channel_convertor(feats)
         feat1, feat2 = feats.chunk(2, dim=0)
@@ -144,10 +147,10 @@ class FlowFormer(nn.Module):
     ) -> tuple[MemoryPlan, Tensor | CostVolume, Tensor]:
         """images [B, 3, H, W] in 0..255 -> (the memory plan for them, the unmasked cost volume as the plan
         allows, context [B, C, H/8, W/8]): the first stages of `forward` and of MCVA pretraining. A bounded
-        plan also encodes the images one at a time."""
+        plan also encodes the images one at a time, within its activation budget."""
         batch, _, height, width = image1.shape
         plan = self.memory_plan(batch, height // 8, width // 8)
-        feat1, feat2, context = self.encode_images(image1, image2, one_at_a_time=not plan.dense)
+        feat1, feat2, context = self.encode_images(image1, image2, plan.activation_bytes)
         return plan, self.correlation(feat1, feat2, plan), context
 
     def encode_cost(
@@ -159,7 +162,7 @@ class FlowFormer(nn.Module):
     ) -> Tensor:
         """cost maps [B*H1*W1, heads, H1, W1] (or a CostVolume), context [B, C, H1, W1] -> cost memory
         [B*H1*W1, K, D]; token_mask (MCVA) hides cost-map patches from the cost encoder; activation_budget
-        (MemoryPlan.agt_bytes) bounds the transients of its layers over the cost memory, where the encoder
+        (MemoryPlan.activation_bytes) bounds the transients of its layers over the cost memory, where the encoder
         supports it."""
         if token_mask is not None and not self.cost_encoder.supports_token_mask:
             raise ValueError(
@@ -229,7 +232,7 @@ class FlowFormer(nn.Module):
                 f"FlowFormer.forward: iters must be an integer >= 1 (refinement iterations), got {iters!r}"
             )
         plan, cost, context = self.planned_cost_volume(image1, image2)
-        cost_memory = self.encode_cost(cost, context, activation_budget=plan.agt_bytes)
+        cost_memory = self.encode_cost(cost, context, activation_budget=plan.activation_bytes)
         steps = self.decode(
             cost_memory,
             cost,
@@ -243,6 +246,14 @@ class FlowFormer(nn.Module):
         if self.training:
             out["flow_predictions"] = [flow_up for flow_up, _ in steps]
         return out
+
+
+def _encode(encoder: nn.Module, image: Tensor, activation_budget: int | None) -> Tensor:
+    """An image encoder on image [B, 3, H, W], its transients bounded to activation_budget where it supports
+    that (`supports_activation_budget`)."""
+    if activation_budget is not None and encoder.supports_activation_budget:
+        return encoder(image, activation_budget)
+    return encoder(image)
 
 
 def _check_images(image1: Tensor, image2: Tensor, *encoders: nn.Module) -> None:

@@ -264,7 +264,7 @@ def mcva_forward(
         got = None if query_uniform is None else tuple(query_uniform.shape)
         raise ValueError(f"query_uniform must be [query_num={objective.query_num}, B, 2, H1, W1], got {got}")
     token_mask = mask_generator.token_mask(mask_noise.to(device))
-    cost_memory = net.encode_cost(cost, context, token_mask, plan.agt_bytes)  # [B*H1*W1, K, D]
+    cost_memory = net.encode_cost(cost, context, token_mask, plan.activation_bytes)  # [B*H1*W1, K, D]
 
     memory_kv = net.cost_memory_kv(cost_memory)  # computed once, reused by every round as the official code does
     recon_size = net.pretrain_head.recon_size

@@ -8,10 +8,11 @@ At 1/8 resolution with N = H1·W1 source pixels, the official computation holds:
 With a budget, the plan keeps the dense computation when its estimate fits and otherwise bounds each of the
 two remaining terms to a quarter of the budget: cost maps computed in blocks of `cost_rows` source pixels (a
 FeatureCostVolume), the motion attention evaluated for `gma_queries` queries at a time. A bounded plan also
-gives the cost encoder's layers over the cost memory (linear in the pixels, but at 1080p each AGT layer's
-transients reach gigabytes) a quarter of the budget, `agt_bytes`, which it spends on blocks of rows. The
-numbers are the same either way (to float rounding). Estimates count fp32 bytes of the named tensors (softmax
-keeps a second copy), not the allocator's overhead.
+gives the layers whose transients grow linearly with the pixels a quarter of the budget, `activation_bytes`,
+which they spend on blocks of rows: the image encoders' transformer blocks (Twins), then the cost encoder's
+layers over the cost memory (at 1080p each AGT layer's transients reach gigabytes). They run one after the
+other, so they share the quarter. The numbers are the same either way (to float rounding). Estimates count
+fp32 bytes of the named tensors (softmax keeps a second copy), not the allocator's overhead.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ class MemoryPlan:
 
     cost_rows: int | None = None
     gma_queries: int | None = None
-    agt_bytes: int | None = None
+    activation_bytes: int | None = None
 
     @property
     def dense(self) -> bool:
-        return self.cost_rows is None and self.gma_queries is None and self.agt_bytes is None
+        return self.cost_rows is None and self.gma_queries is None and self.activation_bytes is None
 
 
 def plan_memory(
@@ -58,5 +59,5 @@ def plan_memory(
     return MemoryPlan(
         cost_rows=max(1, min(batch * n, int(share // cost_map_bytes))),
         gma_queries=max(1, min(n, int(share // per_gma_query))),
-        agt_bytes=int(share),
+        activation_bytes=int(share),
     )
