@@ -29,6 +29,9 @@ def test_bench_writes_a_row_per_size_path_and_precision(tmp_path):
     assert seconds == rows[0]["mean_s"] and report["machine"]["cpu_cores"] >= 1
     table = (tmp_path / "bench.md").read_text().splitlines()
     assert len(table) == 2 + len(rows) and "| 64x128 | 0.01 | budget 0.0001 GB | 32-true |" in table[-1]
+    peak, above_built = table[-1].split(" | ")[-3:-1]  # the process's peak RSS, the step's part of it
+    assert peak == f"{rows[-1]['peak_rss_mib'] / 1024:.2f} GiB"
+    assert above_built == f"{(rows[-1]['peak_rss_mib'] - rows[-1]['built_rss_mib']) / 1024:.2f} GiB"
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -37,7 +40,7 @@ def test_a_row_that_does_not_finish_is_recorded_and_the_benchmark_goes_on(tmp_pa
     assert torch.isnan(torch.tensor(bench.run(cfg)))
     (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert row["status"] == "stopped after bench.timeout_s=0.01" and "mean_s" not in row
-    assert "| - | - | stopped after" in (tmp_path / "bench.md").read_text()
+    assert "| - | - | - | stopped after" in (tmp_path / "bench.md").read_text()
 
 
 def test_a_row_that_fails_reports_its_error_and_the_next_row_runs(tmp_path):

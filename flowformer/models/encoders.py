@@ -98,7 +98,7 @@ class TwinsEncoder(nn.Module):
 
     def forward(self, x: Tensor, activation_budget: int | None = None) -> Tensor:
         """[B, 3, H, W] -> [B, 256, H/8, W/8]. activation_budget (bytes; None: at once) runs each transformer
-        block over blocks of token rows (`block_in_row_blocks`), with the same numbers to float rounding."""
+        block over blocks of token rows (`_block_in_row_blocks`), with the same numbers to float rounding."""
         batch = x.shape[0]
         svt = self.svt
         for embed, drop, blocks, pos_block in zip(svt.patch_embeds, svt.pos_drops, svt.blocks, svt.pos_block):
@@ -109,14 +109,14 @@ class TwinsEncoder(nn.Module):
                 row_bytes = batch * size[1] * x.shape[-1] * TWINS_BLOCK_VALUES_PER_CHANNEL * FLOAT_BYTES
                 rows = max(1, activation_budget // row_bytes)
             for j, block in enumerate(blocks):
-                x = block_in_row_blocks(block, x, size, rows)
+                x = _block_in_row_blocks(block, x, size, rows)
                 if j == 0:
                     x = pos_block(x, size)  # PEG after the first (LSA) block
             x = x.reshape(batch, *size, -1).permute(0, 3, 1, 2).contiguous()
         return x
 
 
-def block_in_row_blocks(block: TwinsBlock, x: Tensor, size: tuple[int, int], rows: int | None) -> Tensor:
+def _block_in_row_blocks(block: TwinsBlock, x: Tensor, size: tuple[int, int], rows: int | None) -> Tensor:
     """A Twins block over tokens x [B, H*W, C] of a size (H, W) grid in blocks of about `rows` token rows
     (None: at once) -> [B, H*W, C].
 

@@ -219,11 +219,14 @@ def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """One line per row; a `compile s` column when the rows were compiled (runtime.compile)."""
+    """One line per row; a `compile s` column when the rows were compiled (runtime.compile); on CPU, beside the
+    process's peak RSS, the part above the built model (`built_rss_mib`: interpreter, torch, weights), the
+    step's own, which is what the memory paths change."""
     memory_key, memory_title = memory_measure(rows)
     compiled = any("compile_s" in row for row in rows)
+    above_built = memory_key == "peak_rss_mib"
     titles = ["size", "megapixels", "path", "precision", "seconds per step", *(["compile s"] * compiled)]
-    titles += [memory_title, "status"]
+    titles += [memory_title, *(["above the built model"] * above_built), "status"]
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
         cells = [
@@ -236,6 +239,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         if compiled:
             cells.append(f"{row['compile_s']:.1f}" if "compile_s" in row else "-")
         cells.append(f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-")
+        if above_built:
+            step_mib = row[memory_key] - row["built_rss_mib"] if memory_key in row else None
+            cells.append(f"{step_mib / 1024:.2f} GiB" if step_mib is not None else "-")
         cells.append(row["status"] + (f": {row['error']}" if "error" in row else ""))
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
