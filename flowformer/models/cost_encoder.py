@@ -25,13 +25,13 @@ from flowformer.models.layers import (
     multi_head_attention,
     softmax_attention,
 )
+from flowformer.models.memory_plan import FLOAT_BYTES
 from flowformer.models.token_mask import TokenMask
 
 PATCH = 8  # cost-map patch size: three stride-2 convs, as the official `patch_size = 8`
 WINDOW = 7  # LSA window of the inter-cost-map attention (official `LocallyGroupedAttnRPEContext`, ws = 7)
 SUBSAMPLE = 4  # GSA sub-sampling ratio (official `GlobalSubSampleAttnRPEContext`, sr_ratio = 4)
 HEADS = 8  # attention heads of every cost-encoder attention (official constant)
-FLOAT_BYTES = 4
 
 
 class PatchEmbed(nn.Module):

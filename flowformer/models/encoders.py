@@ -17,6 +17,8 @@ from timm.models.twins import Block as TwinsBlock
 from timm.models.twins import LocallyGroupedAttn
 from torch import Tensor, nn
 
+from flowformer.models.memory_plan import FLOAT_BYTES
+
 TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
 TWINS_LARGE_FINAL_DIM = 1024  # width of twins_svt_large's last stage, the size of its final `norm`
 _TWINS_NOT_BUILT = (
@@ -28,7 +30,6 @@ _TWINS_NOT_BUILT = (
     "pos_block.2.",
     "pos_block.3.",
 )
-FLOAT_BYTES = 4
 # Upper estimate of the fp32 values a Twins block holds at once per token and channel: the normed input, q, k
 # and v, the attention output and its projection, the first residual sum, the second norm, the 4x MLP's
 # hidden layer and its GELU (8), the MLP output and the second sum (18), and two reshaped copies.
@@ -168,6 +169,7 @@ def _gsa_block(block: TwinsBlock, part: Tensor, keys: Tensor, values: Tensor) ->
     zero drop rates) on token block part [B, n, C] with the whole grid's keys and values -> [B, n, C]."""
     attn = block.attn
     batch, tokens, channels = part.shape
+    # norm1 again (the keys needed it too): keeping every block's normed tokens would hold a copy of the grid
     queries = attn.q(block.norm1(part)).reshape(batch, tokens, attn.num_heads, channels // attn.num_heads)
     attended = F.scaled_dot_product_attention(queries.permute(0, 2, 1, 3), keys, values)  # [B, heads, n, C/h]
     part = part + attn.proj(attended.transpose(1, 2).reshape(batch, tokens, channels))

@@ -105,13 +105,13 @@ class FlowFormer(nn.Module):
         _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
-        context = _encode(self.context_encoder, image1, activation_budget)
+        context = _within_budget(self.context_encoder, activation_budget, image1)
         encoder = self.memory_encoder.feat_encoder
         if activation_budget is None:
             feats = encoder(torch.cat([image1, image2], dim=0))
         else:
             feats = torch.cat(
-                [_encode(encoder, image, activation_budget) for image in (image1, image2)], dim=0
+                [_within_budget(encoder, activation_budget, image) for image in (image1, image2)], dim=0
             )
         if hasattr(self.memory_encoder, "channel_convertor"):
             feats = self.memory_encoder.channel_convertor(feats)
@@ -169,9 +169,7 @@ class FlowFormer(nn.Module):
                 f"the cost encoder {type(self.cost_encoder).__name__} cannot hide cost-map patches, so MCVA "
                 "cannot pretrain it; pick a cost encoder with supports_token_mask (backbone.cost_encoder)"
             )
-        if activation_budget is not None and self.cost_encoder.supports_activation_budget:
-            return self.cost_encoder(cost, context, token_mask, activation_budget=activation_budget)
-        return self.cost_encoder(cost, context, token_mask)
+        return _within_budget(self.cost_encoder, activation_budget, cost, context, token_mask)
 
     def query_cost_memory(
         self,
@@ -248,12 +246,12 @@ class FlowFormer(nn.Module):
         return out
 
 
-def _encode(encoder: nn.Module, image: Tensor, activation_budget: int | None) -> Tensor:
-    """An image encoder on image [B, 3, H, W], its transients bounded to activation_budget where it supports
-    that (`supports_activation_budget`)."""
-    if activation_budget is not None and encoder.supports_activation_budget:
-        return encoder(image, activation_budget)
-    return encoder(image)
+def _within_budget(module: nn.Module, activation_budget: int | None, *args: object) -> Tensor:
+    """module(*args), its transients bounded to activation_budget (bytes; None: unbounded) where the module
+    supports that (`supports_activation_budget`: the image encoders and the cost encoders)."""
+    if activation_budget is not None and module.supports_activation_budget:
+        return module(*args, activation_budget=activation_budget)
+    return module(*args)
 
 
 def _check_images(image1: Tensor, image2: Tensor, *encoders: nn.Module) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FLOAT = 4  # bytes per fp32 value
+FLOAT_BYTES = 4  # bytes per fp32 value, for every memory estimate of the models
 SOFTMAX_COPIES = 2  # logits and their softmax exist together
 
 
@@ -51,8 +51,8 @@ def plan_memory(
         return MemoryPlan()
     budget = budget_gb * 2**30
     n = h1 * w1
-    per_gma_query = batch * n * FLOAT * SOFTMAX_COPIES
-    dense = batch * n * n * heads * FLOAT + batch * n * cost_map_bytes + n * per_gma_query
+    per_gma_query = batch * n * FLOAT_BYTES * SOFTMAX_COPIES
+    dense = batch * n * n * heads * FLOAT_BYTES + batch * n * cost_map_bytes + n * per_gma_query
     if dense <= budget:
         return MemoryPlan()
     share = budget / 4

@@ -240,8 +240,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells.append(f"{row['compile_s']:.1f}" if "compile_s" in row else "-")
         cells.append(f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-")
         if above_built:
-            step_mib = row[memory_key] - row["built_rss_mib"] if memory_key in row else None
-            cells.append(f"{step_mib / 1024:.2f} GiB" if step_mib is not None else "-")
+            above = row[memory_key] - row["built_rss_mib"] if memory_key in row else None
+            cells.append("-" if above is None else f"{above / 1024:.2f} GiB")
         cells.append(row["status"] + (f": {row['error']}" if "error" in row else ""))
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
