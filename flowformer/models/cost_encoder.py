@@ -201,17 +201,17 @@ class LocalWindowAttention(nn.Module):
             return rearrange(t, "r (nh y) (nw x) c -> r nh nw y x c", y=ws, x=ws)
 
         def split_heads(t: Tensor) -> Tensor:
-            # [rows, nh, nw, ws, ws, C] -> [rows, nh*nw, heads, ws*ws, C/heads]
-            return rearrange(t, "r nh nw y x (h c) -> r (nh nw) h (y x) c", h=heads)
+            # [rows, nh, nw, ws, ws, C] -> [rows*nh*nw, heads, ws*ws, C/heads]: fused attention needs 4 dims
+            return rearrange(t, "r nh nw y x (h c) -> (r nh nw) h (y x) c", h=heads)
 
         v = split_heads(self.v(windows(x)))
         local = coords_grid(1, ws, ws, device=x.device).view(1, 2, -1).permute(0, 2, 1)
         pe = linear_position_encoding(local, channels + self.c).view(ws, ws, -1)
         x_qk = windows(x_qk) + pe
         q, k = split_heads(self.q(x_qk)), split_heads(self.k(x_qk))
-        attn = ((q @ k.transpose(-2, -1)) * (channels // heads) ** -0.5).softmax(dim=-1)
-        # [rows, nh*nw, heads, ws*ws, C/heads] -> [rows, Hp, Wp, C], then crop the padding
-        out = rearrange(attn @ v, "r (nh nw) h (y x) c -> r (nh y) (nw x) (h c)", nh=nh, y=ws)
+        attended = softmax_attention(q, k, v, scale=(channels // heads) ** -0.5)
+        # [rows*nh*nw, heads, ws*ws, C/heads] -> [rows, Hp, Wp, C], then crop the padding
+        out = rearrange(attended, "(r nh nw) h (y x) c -> r (nh y) (nw x) (h c)", r=rows, nh=nh, y=ws)
         out = out[:, :height, :width, :]
         return self.proj(out.reshape(rows, n, channels))
 
@@ -401,9 +401,9 @@ class CostPerceiverEncoder(CostEncoder):
 
     def latent_row_bytes(self, h1: int, w1: int) -> int:
         """Upper estimate of the transient fp32 activations of an inter-cost-map layer (LSA or GSA block) per
-        latent row [H1·W1, D]: per position the window logits and their softmax (heads x 7²), and about 16 D
-        for the padded copies, q, k, v, outputs and the 4x MLP's hidden layer and its GELU."""
-        return h1 * w1 * (2 * HEADS * WINDOW**2 + 16 * self.latent_dim) * FLOAT_BYTES
+        latent row [H1·W1, D]: about 16 D per position for the padded copies, q, k, v, outputs and the 4x MLP's
+        hidden layer and its GELU. Both attentions are fused (`softmax_attention`): their logits are never held."""
+        return h1 * w1 * 16 * self.latent_dim * FLOAT_BYTES
 
     def cost_map_bytes(self, height: int, width: int) -> int:
         return self.patch_embed.activation_bytes(height, width)
