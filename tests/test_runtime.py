@@ -1,14 +1,18 @@
 """The `runtime` settings of every task that runs the network: `runtime.matmul_precision` (TF32 on a GPU, CPU
-numbers unchanged) and `runtime.compile` (torch.compile of the network's stages in train, eval and bench, with
+numbers unchanged), `runtime.cpu_mmap_threshold_mb` (freed CPU tensors go back to the OS) and `runtime.compile` (torch.compile of the network's stages in train, eval and bench, with
 plain checkpoint keys and the compile time in bench's rows). Compiling uses a cheap backend here (inductor takes
 minutes on 2 CPU cores); inductor on a GPU is in tests/test_gpu.py."""
 
 import json
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 from compose_helper import compose_tiny_config as config
 from conftest import build_backbone
+from omegaconf import OmegaConf
 from torch._dynamo import lookup_backend, register_backend
 
 from flowformer.tasks import bench, run_task
@@ -63,6 +67,44 @@ def test_a_bad_matmul_precision_is_one_error_naming_the_key(capsys):
         run_task(config("task=eval", "eval=synthetic", "runtime.matmul_precision=tf32"))
     assert exit_info.value.code == 1
     assert "error (ValueError): runtime.matmul_precision='tf32'" in capsys.readouterr().err
+
+
+RETAINED_AFTER_FREES = """
+import json, sys, torch
+from omegaconf import OmegaConf
+from flowformer.tasks.runtime import configure_runtime
+configure_runtime(OmegaConf.create(json.loads(sys.argv[1])))
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+start = resident_mib()
+for _ in range(3):
+    tensor = torch.ones(20 * 2**18)  # 20 MiB, touched
+    del tensor
+print(resident_mib() - start)
+"""
+
+
+def retained_mib(runtime) -> float:
+    """Resident MiB a fresh process keeps after allocating and freeing a 20 MiB tensor three times under
+    `runtime` (a fresh process: the allocator's settings last as long as the process)."""
+    settings = json.dumps(OmegaConf.to_container(runtime, resolve=True))
+    result = subprocess.run(
+        [sys.executable, "-c", RETAINED_AFTER_FREES, settings], capture_output=True, text=True, check=True
+    )
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
+def test_cpu_mmap_threshold_gives_freed_tensors_back_to_the_os():
+    assert config().runtime.cpu_mmap_threshold_mb is None  # glibc's default unless asked
+    assert retained_mib(config().runtime) > 15  # glibc's heap keeps a freed block at least
+    assert retained_mib(config("runtime.cpu_mmap_threshold_mb=16").runtime) < 5
+
+
+def test_a_bad_cpu_mmap_threshold_is_one_error_naming_the_key():
+    expected = r"runtime.cpu_mmap_threshold_mb=64: expected a size in MiB in \(0, 32\]"
+    with pytest.raises(ValueError, match=expected):
+        configure_runtime(config("runtime.cpu_mmap_threshold_mb=64").runtime)
 
 
 def test_compile_is_off_by_default_and_leaves_the_network_alone():

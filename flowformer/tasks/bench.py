@@ -310,6 +310,7 @@ def run(cfg: DictConfig) -> float:
         "backbone": cfg.backbone.get("variant"),
         "image_encoder": cfg.backbone.get("image_encoder"),
         "matmul_precision": runtime.matmul_precision,
+        "cpu_mmap_threshold_mb": runtime.cpu_mmap_threshold_mb,
         "compile": f"{runtime.compile_backend} ({runtime.compile_mode})" if runtime.compile else None,
     }
     about = machine()
