@@ -6,11 +6,12 @@ import pytest
 import torch
 from conftest import build_backbone, refuse_dense_volume
 
+import flowformer.models.decoder as decoder_module
 from flowformer.models import FlowFormer, sample_cost_window
 from flowformer.models.cost_encoder import PatchEmbed
 from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, dense_cost_maps
 from flowformer.models.encoders import TwinsEncoder
-from flowformer.models.layers import softmax_attention
+from flowformer.models.layers import CONVEX_UPSAMPLE_VALUES_PER_PIXEL, softmax_attention, upsample_flow_convex
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
 
 
@@ -71,6 +72,48 @@ def test_fused_attention_equals_the_written_out_product():
     q, k, v = (torch.randn(3, 4, n, 16, generator=g) for n in (37, 11, 11))
     written_out = ((q @ k.transpose(-2, -1)) * 0.25).softmax(dim=-1) @ v
     torch.testing.assert_close(softmax_attention(q, k, v, scale=0.25), written_out)
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 2, 4, 5])
+def test_convex_upsampling_in_row_blocks_equals_one_pass(rows_per_block):
+    """Each output pixel reads its own mask values and its 3x3 flow neighbourhood (rows above and below a
+    block included), so blocks of rows give the whole image's numbers and gradients."""
+    g = torch.Generator().manual_seed(2)
+    flow = (torch.randn(2, 2, 5, 7, generator=g) * 3).requires_grad_()
+    mask = torch.randn(2, 9 * 64, 5, 7, generator=g).requires_grad_()
+    whole = upsample_flow_convex(flow, mask)
+    blocks = upsample_flow_convex(flow, mask, rows_per_block)
+    assert blocks.shape == (2, 2, 40, 56)
+    torch.testing.assert_close(blocks, whole, rtol=0, atol=0)
+    weights = torch.randn(whole.shape, generator=g)
+    expected = torch.autograd.grad((whole * weights).sum(), [flow, mask])
+    got = torch.autograd.grad((blocks * weights).sum(), [flow, mask])
+    for got_grad, expected_grad in zip(got, expected):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-6)
+
+
+def test_bounded_decoder_upsamples_in_row_blocks_within_its_budget(monkeypatch):
+    net = tiny()
+    calls = []
+
+    def recording(flow, mask, rows_per_block=None):
+        calls.append(rows_per_block)
+        return upsample_flow_convex(flow, mask, rows_per_block)
+
+    monkeypatch.setattr(decoder_module, "upsample_flow_convex", recording)
+    image1 = torch.rand(1, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 255
+    image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
+    row_bytes = 8 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * 4  # one 1/8-resolution row of 8 pixels, fp32
+    with torch.no_grad():
+        feat1, feat2, context = net.encode_images(image1, image2)
+        cost_maps = net.cost_volume(feat1, feat2)
+        memory = net.encode_cost(cost_maps, context)
+        whole = net.decode(memory, cost_maps, context, iters=2, upsample_all=False)
+        blocks = net.decode(
+            memory, cost_maps, context, iters=2, upsample_all=False, activation_budget=2 * row_bytes
+        )
+    assert calls == [None, 2]  # the last iteration only, then in blocks of 2 of the 6 rows
+    assert torch.equal(blocks[-1][0], whole[-1][0])
 
 
 def test_plan_is_dense_when_it_fits_and_bounded_when_not():

@@ -11,12 +11,14 @@ from torch import Tensor, nn
 
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
+    CONVEX_UPSAMPLE_VALUES_PER_PIXEL,
     coords_grid,
     feed_forward,
     linear_position_encoding,
     multi_head_attention,
     upsample_flow_convex,
 )
+from flowformer.models.memory_plan import FLOAT_BYTES
 
 QUERY_RADIUS = 4  # 9x9 cost crop around the current target position
 HEADS = 8
@@ -309,12 +311,14 @@ class MemoryDecoder(nn.Module):
         flow_init: Tensor | None = None,
         query_chunk: int | None = None,
         upsample_all: bool = True,
+        activation_budget: int | None = None,
     ) -> list[tuple[Tensor | None, Tensor]]:
         """-> (flow_up [B, 2, H, W], flow_low [B, 2, H1, W1]) per iteration; flow_up only for the last one
         unless `upsample_all` (training supervises every iteration; inference reads the last).
 
         cost: the volume or a CostVolume; query_chunk: aggregate the global motion attention for that many
-        pixels at a time (None: hold its whole [B, 1, HW, HW] map)."""
+        pixels at a time (None: hold its whole [B, 1, HW, HW] map); activation_budget: bytes for the convex
+        upsampling's weights, spent on blocks of rows (None: the whole image at once)."""
         if iters < 1:
             raise ValueError(
                 f"the decoder needs at least one refinement iteration (iters), got {iters}"
@@ -334,6 +338,10 @@ class MemoryDecoder(nn.Module):
         attention = self.att(inp, query_chunk)
         cost = as_cost_volume(cost)
         kv = self.memory_kv(cost_memory)
+        upsample_rows = None
+        if activation_budget is not None:
+            row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
+            upsample_rows = max(1, activation_budget // row_bytes)
         outputs = []
         for iteration in range(iters):
             coords1 = coords1.detach()
@@ -344,5 +352,6 @@ class MemoryDecoder(nn.Module):
             net, up_mask, delta = self.update_block(net, inp, corr, flow, attention, with_mask=upsample)
             coords1 = coords1 + delta.float()
             flow_low = coords1 - coords0
-            outputs.append((upsample_flow_convex(flow_low, up_mask.float()) if upsample else None, flow_low))
+            flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
+            outputs.append((flow_up, flow_low))
         return outputs

@@ -199,11 +199,14 @@ class FlowFormer(nn.Module):
         flow_init: Tensor | None = None,
         query_chunk: int | None = None,
         upsample_all: bool = True,
+        activation_budget: int | None = None,
     ) -> list[tuple[Tensor | None, Tensor]]:
         """-> one (flow_up [B, 2, H, W], flow_low [B, 2, H/8, W/8]) pair per refinement iteration, flow_up None
         before the last one unless `upsample_all`; query_chunk bounds the global motion attention
-        (MemoryPlan.gma_queries)."""
-        return self.memory_decoder(cost_memory, cost, context, iters, flow_init, query_chunk, upsample_all)
+        (MemoryPlan.gma_queries), activation_budget the convex upsampling (MemoryPlan.activation_bytes)."""
+        return self.memory_decoder(
+            cost_memory, cost, context, iters, flow_init, query_chunk, upsample_all, activation_budget
+        )
 
     @property
     def pretrain_head(self) -> nn.Module:
@@ -239,6 +242,7 @@ class FlowFormer(nn.Module):
             flow_init,
             query_chunk=plan.gma_queries,
             upsample_all=self.training,  # inference returns the last iteration only
+            activation_budget=plan.activation_bytes,
         )
         out: dict[str, Tensor | list[Tensor]] = {"flow": steps[-1][0], "flow_low": steps[-1][1]}
         if self.training:

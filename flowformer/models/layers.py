@@ -113,12 +113,28 @@ def multi_head_attention(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:
     return out.transpose(1, 2).reshape(n, q.shape[1], -1)
 
 
-def upsample_flow_convex(flow: Tensor, mask: Tensor) -> Tensor:
-    """Convex 8x upsampling: flow [B, 2, H, W] (1/8 pixels), mask [B, 9*64, H, W] -> [B, 2, 8H, 8W] pixels."""
+# fp32 values per 1/8-resolution pixel that convex upsampling holds at once: the 9x64 softmax weights, their
+# product with the 2-channel flow neighbours (2x9x64) and the sum (2x64).
+CONVEX_UPSAMPLE_VALUES_PER_PIXEL = 9 * 64 + 2 * 9 * 64 + 2 * 64
+
+
+def upsample_flow_convex(flow: Tensor, mask: Tensor, rows_per_block: int | None = None) -> Tensor:
+    """Convex 8x upsampling: flow [B, 2, H, W] (1/8 pixels), mask [B, 9*64, H, W] -> [B, 2, 8H, 8W] pixels.
+
+    rows_per_block: weigh that many 1/8-resolution rows at a time (None: all at once). Each output pixel reads
+    only its own mask values and its 3x3 flow neighbourhood (taken from the whole map), so blocks give the
+    same numbers; at 2160x3840 the weights and products of the whole image take about 1 GB."""
     batch, _, height, width = flow.shape
-    weights = torch.softmax(mask.view(batch, 1, 9, 8, 8, height, width), dim=2)
+    mask = mask.view(batch, 1, 9, 8, 8, height, width)
     neighbours = F.unfold(8 * flow, [3, 3], padding=1).view(batch, 2, 9, 1, 1, height, width)
-    up = torch.sum(weights * neighbours, dim=2)  # [B, 2, 8, 8, H, W]
+    step = height if rows_per_block is None else max(1, rows_per_block)
+
+    def weighed(rows: slice) -> Tensor:
+        # [B, 1, 9, 8, 8, n, W] weights x [B, 2, 9, 1, 1, n, W] neighbours, summed -> [B, 2, 8, 8, n, W]
+        return torch.sum(torch.softmax(mask[..., rows, :], dim=2) * neighbours[..., rows, :], dim=2)
+
+    blocks = [weighed(slice(top, top + step)) for top in range(0, height, step)]
+    up = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
     return up.permute(0, 1, 4, 2, 5, 3).reshape(batch, 2, 8 * height, 8 * width)
 
 
