@@ -52,7 +52,7 @@ def test_injected_draws_replay_the_step_exactly_and_are_used():
 
 def test_memory_budget_bounds_the_step_with_the_same_loss_and_gradients(monkeypatch):
     """backbone.memory_budget_gb applies to pretraining: the cost maps come in blocks from the features, the
-    query and target windows are sampled from the features, and loss and gradients stay those of the dense
+    query and target windows are sampled from each block's maps, and loss and gradients stay those of the dense
     step (fixture C checks the same against the official step)."""
     dense, bounded = make_module(), make_module({"memory_budget_gb": 1e-6})
     images = image_pair()

@@ -3,7 +3,7 @@
 The recorded mask noise and the 30 recorded query-location draws are injected through the module's own API
 (`pretrain_step(mask_noise=..., query_uniform=...)`). The step runs twice: with the dense cost volume and with
 `memory_budget_gb` small enough to bound it (cost maps computed in blocks from the features, the 9x9 query and
-15x15 target windows sampled from the features), which must leave the loss, the targets and the gradients
+15x15 target windows sampled from each block's maps), which must leave the loss, the targets and the gradients
 unchanged. Each step needs ~11 GB and ~40 s on CPU: run it under `flock /tmp/heavy.lock` (it is marked slow).
 """
 

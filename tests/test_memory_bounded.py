@@ -36,7 +36,7 @@ def test_feature_cost_volume_maps_equal_the_dense_volume(rows_per_block):
 
 
 @pytest.mark.parametrize("radius", [4, 7])  # the decoder's 9x9 window and MCVA's 15x15
-def test_windows_from_features_equal_windows_of_the_volume(radius):
+def test_windows_from_block_maps_equal_windows_of_the_volume(radius):
     feat1, feat2 = features()
     g = torch.Generator().manual_seed(5)
     # targets inside, on the border and far outside the map: grid_sample's zero padding must agree
@@ -50,16 +50,15 @@ def test_windows_from_features_equal_windows_of_the_volume(radius):
     )
 
 
-def test_training_windows_recompute_the_sampled_features_in_backward():
-    """In training, a window block's sampled features (C values per window point) are not kept for backward:
-    what autograd saves stays below their size, and the gradients are those of the dense volume's window."""
+def test_training_windows_recompute_the_block_maps_in_backward():
+    """In training, no block of cost maps is kept for backward (all blocks together are the whole volume):
+    each is computed again in backward, and the gradients are those of the dense volume's window."""
     feat1, feat2 = (f.requires_grad_() for f in features(channels=32))
     coords = torch.rand(2, 2, 5, 7, generator=torch.Generator().manual_seed(5)) * 6.0
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         window = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4).window(coords, 4)
-    sampled_values = 2 * 5 * 7 * 81 * 32  # B·H1·W1 window points x C channels
-    assert sum(saved) < sampled_values / 2
+    assert saved and not [shape for shape in saved if shape[-2:] == (5, 7)]  # no [n, heads, H2, W2] maps
     got = torch.autograd.grad(window.square().sum(), [feat1, feat2])
     dense = sample_cost_window(dense_cost_maps(feat1, feat2, heads=2), coords, 4)
     expected = torch.autograd.grad(dense.square().sum(), [feat1, feat2])
@@ -149,8 +148,8 @@ def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
     with torch.no_grad():
         dense = dense_net(image1, image2, iters=4)
         bounded = bounded_net(image1, image2, iters=4)
-    torch.testing.assert_close(bounded["flow"], dense["flow"], rtol=0, atol=1e-4)
-    torch.testing.assert_close(bounded["flow_low"], dense["flow_low"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(bounded["flow"], dense["flow"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(bounded["flow_low"], dense["flow_low"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("cost_encoder", ["agt", "mixer"])

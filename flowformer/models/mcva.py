@@ -251,7 +251,7 @@ def mcva_forward(
             "(e.g. backbone=flowformer_pp or backbone=tiny)."
         )
     # backbone.memory_budget_gb bounds pretraining as it bounds forward: the cost maps are then computed in
-    # blocks from the features and the target windows sampled from them, with the same numbers
+    # blocks from the features and the target windows sampled from each block's maps, with the same numbers
     plan, cost, context = net.planned_cost_volume(image1, image2)
     cost = as_cost_volume(cost)  # unmasked, [B*H1*W1, heads, H1, W1] maps
     batch, (h1, w1), device = image1.shape[0], cost.map_size, context.device
