@@ -202,10 +202,13 @@ def test_twins_blocks_in_row_blocks_equal_one_pass():
     torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-5)
 
 
-def test_bounded_forward_encodes_one_image_at_a_time(monkeypatch):
-    """The feature encoder's activations are the largest left once the cost volume is bounded; a bounded plan
-    runs it on each image in turn, the dense path on the pair as one batch (as the official code)."""
-    net = tiny()
+@pytest.mark.parametrize("image_encoder", ["cnn", "twins"])
+def test_bounded_forward_encodes_the_pair_in_row_blocks_or_one_image_at_a_time(image_encoder, monkeypatch):
+    """The feature encoder's activations are the largest left once the cost volume is bounded. The dense path
+    runs it on the pair as one batch (as the official code); a bounded plan keeps the pair for Twins, whose
+    blocks then run over rows, and runs the CNN on each image in turn; the features stay the dense ones."""
+    twins = image_encoder == "twins"
+    net = tiny(image_encoder="twins", feature_dim=256) if twins else tiny()
     batches = []
     net.memory_encoder.feat_encoder.register_forward_hook(
         lambda module, args, out: batches.append(len(args[0]))
@@ -213,11 +216,12 @@ def test_bounded_forward_encodes_one_image_at_a_time(monkeypatch):
     image1 = torch.rand(2, 3, 48, 64) * 255
     image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
     with torch.no_grad():
-        net(image1, image2, iters=1)
+        dense = net.encode_images(image1, image2)
         assert batches == [4]
-        monkeypatch.setattr(FlowFormer, "memory_plan", small_blocks)
-        net(image1, image2, iters=1)
-    assert batches == [4, 2, 2]
+        bounded = net.encode_images(image1, image2, activation_budget=1)
+    assert batches == ([4, 4] if twins else [4, 2, 2])
+    for got, expected in zip(bounded, dense):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def test_bounded_forward_never_builds_the_whole_volume(monkeypatch):

@@ -7,7 +7,8 @@ and the decoder (`MemoryDecoder`). flowformer/models/build.py builds them from t
 
 Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode`. With
 `memory_budget_gb`, `forward` bounds the terms that grow with (H/8·W/8)² (flowformer/models/memory_plan.py): the
-cost volume is then a FeatureCostVolume, computed in blocks, and the feature encoder sees one image at a time.
+cost volume is then a FeatureCostVolume, computed in blocks, and the layers whose transients grow with the
+pixels run over blocks of rows (`MemoryPlan.activation_bytes`).
 Children carry the official names (`memory_encoder`, `memory_decoder`, `context_encoder`), so `state_dict()` keys
 equal the official checkpoint keys without the `module.` prefix that the released files carry (they were saved
 from `nn.DataParallel`).
@@ -97,22 +98,19 @@ class FlowFormer(nn.Module):
         """images [B, 3, H, W] in 0..255 -> (feat1, feat2 [B, C, H/8, W/8], context [B, C, H/8, W/8]).
 
         The feature encoder sees both images as one batch [2B, 3, H, W], as the official code. With an
-        activation_budget (bytes, MemoryPlan.activation_bytes) it runs on each image in turn instead, which
-        lowers its peak memory (Twins, measured: 0.77 instead of 1.50 GiB at 1080x1920, 0.34 instead of 0.45 GiB
-        at 440x1024), and encoders that support it bound their layers' transients to the budget; the numbers
-        are the same to float rounding: every image encoder here normalises each image on its own (Twins'
-        LayerNorm, the CNN's InstanceNorm)."""
+        activation_budget (bytes, MemoryPlan.activation_bytes), encoders that support it (Twins) bound their
+        layers' transients to it by running over blocks of rows, still on the pair, so the features stay the
+        dense path's bitwise; one that does not (the CNN) runs on each image in turn, which halves its peak, with
+        the same numbers to float rounding (its InstanceNorm normalises each image on its own)."""
         _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
         context = _within_budget(self.context_encoder, activation_budget, image1)
         encoder = self.memory_encoder.feat_encoder
-        if activation_budget is None:
-            feats = encoder(torch.cat([image1, image2], dim=0))
+        if activation_budget is None or encoder.supports_activation_budget:
+            feats = _within_budget(encoder, activation_budget, torch.cat([image1, image2], dim=0))
         else:
-            feats = torch.cat(
-                [_within_budget(encoder, activation_budget, image) for image in (image1, image2)], dim=0
-            )
+            feats = torch.cat([encoder(image) for image in (image1, image2)], dim=0)
         if hasattr(self.memory_encoder, "channel_convertor"):
             feats = self.memory_encoder.channel_convertor(feats)
         feat1, feat2 = feats.chunk(2, dim=0)
