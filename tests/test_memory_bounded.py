@@ -7,7 +7,7 @@ import torch
 from conftest import build_backbone, refuse_dense_volume
 
 import flowformer.models.decoder as decoder_module
-from flowformer.models import FlowFormer, sample_cost_window
+from flowformer.models import FlowFormer, cost_volume, sample_cost_window
 from flowformer.models.cost_encoder import PatchEmbed
 from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, dense_cost_maps
 from flowformer.models.encoders import TwinsEncoder
@@ -35,14 +35,30 @@ def test_feature_cost_volume_maps_equal_the_dense_volume(rows_per_block):
         torch.testing.assert_close(volume.maps(rows), dense[rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["maps", "features"])
+def window_source(request, monkeypatch) -> str:
+    """Both ways FeatureCostVolume reads a window: from block maps (up to MAPS_FOR_WINDOWS_MAX_PIXELS source
+    pixels per image, every test size here) and from feat2 sampled at the window points (beyond)."""
+    if request.param == "features":
+        monkeypatch.setattr(cost_volume, "MAPS_FOR_WINDOWS_MAX_PIXELS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("radius", [4, 7])  # the decoder's 9x9 window and MCVA's 15x15
-def test_windows_from_block_maps_equal_windows_of_the_volume(radius):
+def test_feature_volume_windows_equal_windows_of_the_volume(radius, window_source):
     feat1, feat2 = features()
     g = torch.Generator().manual_seed(5)
     # targets inside, on the border and far outside the map: grid_sample's zero padding must agree
     coords = torch.rand(2, 2, 5, 7, generator=g) * torch.tensor([12.0, 10.0]).view(1, 2, 1, 1) - 3.0
     expected = sample_cost_window(dense_cost_maps(feat1, feat2, heads=2), coords, radius)
-    got = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4).window(coords, radius)
+    volume = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4)  # blocks straddle the two images
+    source = "maps" if window_source == "maps" else "features"
+    reads = []
+    for name in ("_window_from_maps", "_window_from_features"):
+        method = getattr(volume, name)
+        setattr(volume, name, lambda *a, m=method, n=name: reads.append(n) or m(*a))
+    got = volume.window(coords, radius)
+    assert set(reads) == {f"_window_from_{source}"} and len(reads) == 18  # 70 rows in blocks of 4
     assert got.shape == expected.shape == (2, 2 * (2 * radius + 1) ** 2, 5, 7)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
@@ -50,15 +66,16 @@ def test_windows_from_block_maps_equal_windows_of_the_volume(radius):
     )
 
 
-def test_training_windows_recompute_the_block_maps_in_backward():
-    """In training, no block of cost maps is kept for backward (all blocks together are the whole volume):
-    each is computed again in backward, and the gradients are those of the dense volume's window."""
+def test_training_windows_are_recomputed_in_backward(window_source):
+    """In training, no block's maps or sampled features are kept for backward (all blocks together would
+    outweigh the dense volume): only the window points are, each block is computed again in backward, and
+    the gradients are those of the dense volume's window."""
     feat1, feat2 = (f.requires_grad_() for f in features(channels=32))
     coords = torch.rand(2, 2, 5, 7, generator=torch.Generator().manual_seed(5)) * 6.0
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         window = FeatureCostVolume(feat1, feat2, heads=2, rows_per_block=4).window(coords, 4)
-    assert saved and not [shape for shape in saved if shape[-2:] == (5, 7)]  # no [n, heads, H2, W2] maps
+    assert saved and all(shape[-3:] == (9, 9, 2) for shape in saved)  # [n, side, side, 2] window points
     got = torch.autograd.grad(window.square().sum(), [feat1, feat2])
     dense = sample_cost_window(dense_cost_maps(feat1, feat2, heads=2), coords, 4)
     expected = torch.autograd.grad(dense.square().sum(), [feat1, feat2])
@@ -136,7 +153,7 @@ def small_blocks(net: FlowFormer, batch: int, h1: int, w1: int) -> MemoryPlan:
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_bounded_forward_equals_dense_forward(batch, monkeypatch):
+def test_bounded_forward_equals_dense_forward(batch, window_source, monkeypatch):
     g = torch.Generator().manual_seed(0)
     image1 = torch.rand(batch, 3, 48, 64, generator=g) * 255
     image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))

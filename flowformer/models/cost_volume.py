@@ -6,10 +6,12 @@ from the features when needed instead of from a stored [B·H1·W1, heads, H2, W2
 with (H/8·W/8)²:
 
 - a row block of cost maps is ``feat1[rows] · feat2`` per head, the dense volume's numbers bitwise;
-- a window is sampled from its row block's maps, computed again for each read. Computing the maps costs
-  B·N·N·C multiply-adds per read of all windows, yet it is faster on a CPU than sampling feat2 at every window
-  point and dotting it with the source feature (C values per point, gathered), and it gives the dense
-  numbers exactly, where the dot products of sampled features differ by float summation order.
+- a window is sampled from its row block's maps, computed again for each read: B·N·N·C multiply-adds per
+  read of all windows, yet faster on a CPU up to about 1080p than the linear alternative, and the dense
+  numbers exactly;
+- beyond that, bilinear sampling being linear, sampling a cost map at a point equals the dot product of the
+  source feature with feat2 sampled bilinearly at that point (zero outside the map, as ``grid_sample`` pads;
+  both sample the same H2 x W2 grid, so the interpolation weights are the same), to float summation order.
 
 :class:`DenseCostVolume` wraps the stored volume (the official computation); :class:`FeatureCostVolume`
 computes blocks of ``rows_per_block`` source pixels at a time, so no more than one block of cost maps exists.
@@ -17,6 +19,8 @@ Everything that reads the volume takes either (``as_cost_volume``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -71,6 +75,14 @@ class DenseCostVolume(CostVolume):
         return sample_cost_window(self.cost_maps, coords, radius)
 
 
+# Source pixels per image up to which `FeatureCostVolume.window` samples each block's cost maps computed again
+# (the dense numbers bitwise; N·C multiply-adds per window) rather than feat2 at every window point, dotted with
+# the source feature ((2r+1)²·4 gathered values per channel and window). Measured on 2 CPU threads, 9x9
+# windows, both in blocks: the maps were 3.4x faster at 55x128 (7040 pixels, 440x1024 images) and 1.15x at
+# 135x240 (32400, 1080x1920); their cost grows with the pixels, so beyond about 36000 sampling wins.
+MAPS_FOR_WINDOWS_MAX_PIXELS = 32768
+
+
 class FeatureCostVolume(CostVolume):
     """The volume as feat1, feat2 [B, C, H, W]; maps and windows computed for `rows_per_block` source pixels
     at a time (peak: one block of cost maps, [rows_per_block, heads, H, W] fp32)."""
@@ -83,51 +95,78 @@ class FeatureCostVolume(CostVolume):
         self.num_rows = batch * height * width
         self.map_size = (height, width)
         self.block_rows = rows_per_block
+        self.feat2 = feat2.float()  # [B, C, H, W], sampled by `_window_from_features`
         # [B, heads, H*W, C/heads]: per-head features in fp32, laid out as dense_cost_maps lays them out, so a
         # block's maps are the dense volume's numbers
         self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
-        self.f2 = feat2.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+        self.f2 = self.feat2.view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+
+    def _image_spans(self, rows: slice) -> Iterator[tuple[int, slice]]:
+        """(image, its source pixels) for each image that the row block spans, in order."""
+        height, width = self.map_size
+        pixels = height * width
+        start = rows.start
+        while start < rows.stop:
+            image, first = divmod(start, pixels)
+            stop = min(rows.stop, (image + 1) * pixels)
+            yield image, slice(first, first + stop - start)
+            start = stop
 
     def maps(self, rows: slice) -> Tensor:
         height, width = self.map_size
-        pixels = height * width
-        pieces = []
         with torch.autocast(device_type=self.f1.device.type, enabled=False):
-            # a row block may span images: split it at image boundaries
-            start = rows.start
-            while start < rows.stop:
-                image, first = divmod(start, pixels)
-                stop = min(rows.stop, (image + 1) * pixels)
-                source = self.f1[image, :, first : first + stop - start]  # [heads, n, C/heads]
-                corr = torch.einsum("hid,hjd->hij", source, self.f2[image])  # [heads, n, H*W]
-                pieces.append(corr.transpose(0, 1))  # [n, heads, H*W]
-                start = stop
+            pieces = [
+                # [heads, n, C/heads] x [heads, H*W, C/heads] -> [heads, n, H*W] -> [n, heads, H*W]
+                torch.einsum("hid,hjd->hij", self.f1[image, :, pixels], self.f2[image]).transpose(0, 1)
+                for image, pixels in self._image_spans(rows)
+            ]
         block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return block.view(-1, self.heads, height, width)
 
-    def _window_block(self, rows: slice, points: Tensor) -> Tensor:
-        """The cost maps of `rows`, sampled at points [n, side, side, 2] -> [n, heads, side, side]."""
+    def _window_from_maps(self, rows: slice, points: Tensor) -> Tensor:
+        """The cost maps of `rows` sampled at points [n, side, side, 2] -> [n, heads, side, side]."""
         return bilinear_sample(self.maps(rows), points)
 
+    def _window_from_features(self, rows: slice, points: Tensor) -> Tensor:
+        """feat2 sampled at points [n, side, side, 2], dotted per head with the source features
+        -> [n, heads, side, side]."""
+        n, side = points.shape[:2]
+        pieces, first = [], 0
+        for image, pixels in self._image_spans(rows):
+            count = pixels.stop - pixels.start
+            image_points = points[first : first + count].reshape(1, count, side * side, 2)
+            sampled = bilinear_sample(self.feat2[image : image + 1], image_points)  # [1, C, count, side²]
+            sampled = sampled.view(self.heads, -1, count, side * side)  # [heads, C/heads, count, side²]
+            pieces.append(torch.einsum("hnd,hdnw->nhw", self.f1[image, :, pixels], sampled))
+            first += count
+        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return block.view(n, self.heads, side, side)
+
     def window(self, coords: Tensor, radius: int) -> Tensor:
-        """As CostVolume.window, from each block's cost maps computed again: the dense volume's numbers
-        bitwise, and faster than sampling the features (C values per window point): at 440x1024, 0.09 s an
-        iteration against 0.35 s on 2 CPU threads. When gradients flow (training), each block's maps are
-        recomputed in backward instead of kept, so no more than one block of them exists."""
+        """As CostVolume.window, a block of source pixels at a time: from the block's cost maps computed again
+        (the dense numbers bitwise) up to MAPS_FOR_WINDOWS_MAX_PIXELS source pixels per image, from feat2
+        sampled at the window points beyond (same to float rounding: bilinear sampling is linear, and both
+        sample the same grid with zero padding). When gradients flow (training), each block's maps or sampled
+        features are recomputed in backward instead of kept: together they would outweigh the dense volume."""
         batch, _, h1, w1 = coords.shape
+        side = 2 * radius + 1
         centres = coords.permute(0, 2, 3, 1).reshape(batch * h1 * w1, 1, 1, 2)
         points = centres + window_offsets(radius, coords.device)  # [B*H1*W1, side, side, 2], as the dense
-        recompute = torch.is_grad_enabled() and (self.f1.requires_grad or self.f2.requires_grad)
-        pieces = []
+        from_maps = h1 * w1 <= MAPS_FOR_WINDOWS_MAX_PIXELS
+        window_block = self._window_from_maps if from_maps else self._window_from_features
+        recompute = torch.is_grad_enabled() and (self.f1.requires_grad or self.feat2.requires_grad)
+        # written block by block into one tensor: blocks of results kept between the blocks' large transients
+        # fragmented the CPU heap (3.5 GiB at 1080x1920)
+        out = torch.empty(self.num_rows, self.heads, side, side, device=coords.device)
         with torch.autocast(device_type=coords.device.type, enabled=False):
             for start in range(0, self.num_rows, self.block_rows):
                 rows = slice(start, min(start + self.block_rows, self.num_rows))
                 if recompute:
-                    pieces.append(checkpoint(self._window_block, rows, points[rows], use_reentrant=False))
+                    out[rows] = checkpoint(window_block, rows, points[rows], use_reentrant=False)
                 else:
-                    pieces.append(self._window_block(rows, points[rows]))
+                    out[rows] = window_block(rows, points[rows])
         # [B*H1*W1, heads, side, side] -> [B, heads*side², H1, W1]
-        return torch.cat(pieces).view(batch, h1, w1, -1).permute(0, 3, 1, 2)
+        return out.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
 
 def as_cost_volume(cost: Tensor | CostVolume) -> CostVolume:
