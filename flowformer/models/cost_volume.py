@@ -101,15 +101,15 @@ class FeatureCostVolume(CostVolume):
         self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
         self.f2 = self.feat2.view(batch, heads, channels // heads, height * width).transpose(-2, -1)
 
-    def _image_spans(self, rows: slice) -> Iterator[tuple[int, slice]]:
-        """(image, its source pixels) for each image that the row block spans, in order."""
+    def _image_spans(self, rows: slice) -> Iterator[tuple[int, slice, slice]]:
+        """(image, its source pixels, their rows within the block) for each image that the row block spans."""
         height, width = self.map_size
         pixels = height * width
         start = rows.start
         while start < rows.stop:
             image, first = divmod(start, pixels)
             stop = min(rows.stop, (image + 1) * pixels)
-            yield image, slice(first, first + stop - start)
+            yield image, slice(first, first + stop - start), slice(start - rows.start, stop - rows.start)
             start = stop
 
     def maps(self, rows: slice) -> Tensor:
@@ -118,7 +118,7 @@ class FeatureCostVolume(CostVolume):
             pieces = [
                 # [heads, n, C/heads] x [heads, H*W, C/heads] -> [heads, n, H*W] -> [n, heads, H*W]
                 torch.einsum("hid,hjd->hij", self.f1[image, :, pixels], self.f2[image]).transpose(0, 1)
-                for image, pixels in self._image_spans(rows)
+                for image, pixels, _ in self._image_spans(rows)
             ]
         block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return block.view(-1, self.heads, height, width)
@@ -131,14 +131,12 @@ class FeatureCostVolume(CostVolume):
         """feat2 sampled at points [n, side, side, 2], dotted per head with the source features
         -> [n, heads, side, side]."""
         n, side = points.shape[:2]
-        pieces, first = [], 0
-        for image, pixels in self._image_spans(rows):
-            count = pixels.stop - pixels.start
-            image_points = points[first : first + count].reshape(1, count, side * side, 2)
+        pieces = []
+        for image, pixels, in_block in self._image_spans(rows):
+            image_points = points[in_block].reshape(1, -1, side * side, 2)  # [1, count, side², 2]
             sampled = bilinear_sample(self.feat2[image : image + 1], image_points)  # [1, C, count, side²]
-            sampled = sampled.view(self.heads, -1, count, side * side)  # [heads, C/heads, count, side²]
+            sampled = sampled.view(self.heads, -1, *image_points.shape[1:3])  # [heads, C/heads, count, side²]
             pieces.append(torch.einsum("hnd,hdnw->nhw", self.f1[image, :, pixels], sampled))
-            first += count
         block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return block.view(n, self.heads, side, side)
 

@@ -11,8 +11,9 @@ FeatureCostVolume), the motion attention evaluated for `gma_queries` queries at 
 gives the layers whose transients grow linearly with the pixels a quarter of the budget, `activation_bytes`,
 which they spend on blocks of rows: the image encoders' transformer blocks (Twins), then the cost encoder's
 layers over the cost memory (at 1080p each AGT layer's transients reach gigabytes), then the decoder's convex
-upsampling (about 1 GB at 4K). They run one after the other, so they share the quarter. The numbers are the same either way (to float rounding). Estimates count
-fp32 bytes of the named tensors (softmax keeps a second copy), not the allocator's overhead.
+upsampling (about 1 GB at 4K). They run one after the other, so they share the quarter. The numbers are the
+same either way (to float rounding). Estimates count fp32 bytes of the named tensors (softmax keeps a second
+copy), not the allocator's overhead.
 """
 
 from __future__ import annotations

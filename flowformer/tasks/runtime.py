@@ -233,8 +233,9 @@ def configure_host_allocator(threshold_mb: float | None) -> None:
 
 
 def configure_runtime(settings: DictConfig) -> None:
-    """Apply `runtime.matmul_precision` and `runtime.cpu_mmap_threshold_mb` to this process (torch's settings are per process): fp32 matmuls and
-    cuDNN convolutions on the GPU in strict fp32 ('highest') or on TF32 tensor cores ('high', 'medium').
+    """Apply `runtime.matmul_precision` and `runtime.cpu_mmap_threshold_mb` to this process (torch's settings
+    are per process): fp32 matmuls and cuDNN convolutions on the GPU in strict fp32 ('highest') or on TF32
+    tensor cores ('high', 'medium').
     CPU matmuls stay strict fp32 whatever the setting (torch would otherwise let oneDNN use TF32 or bf16 on
     CPUs that have them), so CPU numbers do not depend on it."""
     precision = settings.matmul_precision
@@ -246,7 +247,7 @@ def configure_runtime(settings: DictConfig) -> None:
     if hasattr(torch.backends.mkldnn, "matmul"):  # newer torch: the setting would also reach oneDNN CPU matmuls
         torch.backends.mkldnn.matmul.fp32_precision = "ieee"
     torch.backends.cudnn.allow_tf32 = precision != "highest"
-    configure_host_allocator(settings.get("cpu_mmap_threshold_mb"))
+    configure_host_allocator(settings.cpu_mmap_threshold_mb)
 
 
 def compile_network(net: FlowFormer, settings: DictConfig) -> None:
