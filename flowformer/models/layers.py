@@ -94,7 +94,7 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tenso
     """softmax(q kᵀ · scale) v over the last two dims, q [..., Lq, d], k [..., Lk, d], v [..., Lk, dv]
     -> [..., Lq, dv], by torch's fused attention: the [Lq, Lk] logits are never held whole (at 1080p the cost
     encoder's would take 16 GB), and it is faster. Differs from the unfused product by float32 rounding only
-    (fixture A: 1.7e-4 px from the official flow at 32 iterations, the unfused path 1.9e-4)."""
+    (on fixture A it moved the flow at 32 iterations from 1.9e-4 to 1.7e-4 px of the official flow)."""
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
