@@ -83,6 +83,7 @@ def test_bounded_memory_path_matches_official_and_dense(run_a: dict, expected: d
     image1, image2 = read_png(FIXTURE_A / "image1.png"), read_png(FIXTURE_A / "image2.png")
     plan = net.memory_plan(1, 46, 62)
     assert plan.cost_rows < 46 * 62 and plan.gma_queries < 46 * 62
+    assert plan.activation_bytes // net.cost_encoder.latent_row_bytes(46, 62) <= 1  # one latent row a block
     with torch.no_grad():
         out = net(image1, image2, iters=32)
     dense_up, dense_low = run_a["steps"][31]
