@@ -127,6 +127,38 @@ def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
     assert diff.max() < 0.5 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
+def test_gru_casts_its_input_once_under_autocast() -> None:
+    """Under bf16 autocast the GRU state is bf16 and its input fp32 (the raw flow): the GRU casts the input
+    once, not each of its fp32 concatenations once per convolution (ten casts a step), with the same numbers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flowformer.models.decoder import SepConvGRU
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCasts.casts += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    gru = SepConvGRU(hidden=8, input_dim=12)
+    h = torch.randn(1, 8, 6, 7).bfloat16()
+    x = torch.randn(1, 12, 6, 7)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        gru(h, x)  # autocast caches the weights' casts
+        with CountCasts():
+            out = gru(h, x)
+        reference = h
+        for convz, convr, convq in ((gru.convz1, gru.convr1, gru.convq1), (gru.convz2, gru.convr2, gru.convq2)):
+            hx = torch.cat([reference, x], dim=1)  # fp32, as RAFT's GRU concatenates
+            z, r = torch.sigmoid(convz(hx)), torch.sigmoid(convr(hx))
+            q = torch.tanh(convq(torch.cat([r * reference, x], dim=1)))
+            reference = (1 - z) * reference + z * q
+    assert CountCasts.casts == 1
+    assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
+
+
 def test_sample_cost_window_is_x_major() -> None:
     """The official x-major order, channel (dx+r)*(2r+1) + (dy+r); integer centres sample the map exactly."""
     h1, w1 = 5, 6

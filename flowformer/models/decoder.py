@@ -176,6 +176,9 @@ class SepConvGRU(nn.Module):
         self.convq2 = nn.Conv2d(c, hidden, (5, 1), padding=(2, 0))
 
     def forward(self, h: Tensor, x: Tensor) -> Tensor:
+        # Under autocast h is bf16 and x fp32 (it holds the raw flow): each concatenation would be fp32 and each
+        # of the six convolutions would cast it to bf16 again. Cast x once: the convolutions round it the same.
+        x = x.to(h.dtype)
         for convz, convr, convq in (
             (self.convz1, self.convr1, self.convq1),
             (self.convz2, self.convr2, self.convq2),
