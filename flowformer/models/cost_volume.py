@@ -20,7 +20,7 @@ Everything that reads the volume takes either (``as_cost_volume``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -101,27 +101,27 @@ class FeatureCostVolume(CostVolume):
         self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
         self.f2 = self.feat2.view(batch, heads, channels // heads, height * width).transpose(-2, -1)
 
-    def _image_spans(self, rows: slice) -> Iterator[tuple[int, slice, slice]]:
-        """(image, its source pixels, their rows within the block) for each image that the row block spans."""
-        height, width = self.map_size
-        pixels = height * width
-        start = rows.start
+    def _over_images(self, rows: slice, block_of_image: Callable[[int, slice, slice], Tensor]) -> Tensor:
+        """block_of_image(image, its source pixels, their rows within the block) for each image the row block
+        spans, concatenated along the rows."""
+        pixels_per_image = self.map_size[0] * self.map_size[1]
+        pieces, start = [], rows.start
         while start < rows.stop:
-            image, first = divmod(start, pixels)
-            stop = min(rows.stop, (image + 1) * pixels)
-            yield image, slice(first, first + stop - start), slice(start - rows.start, stop - rows.start)
+            image, first = divmod(start, pixels_per_image)
+            stop = min(rows.stop, (image + 1) * pixels_per_image)
+            in_block = slice(start - rows.start, stop - rows.start)
+            pieces.append(block_of_image(image, slice(first, first + stop - start), in_block))
             start = stop
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def maps(self, rows: slice) -> Tensor:
-        height, width = self.map_size
+        def maps_of_image(image: int, pixels: slice, _: slice) -> Tensor:
+            # [heads, n, C/heads] x [heads, H*W, C/heads] -> [heads, n, H*W] -> [n, heads, H*W]
+            return torch.einsum("hid,hjd->hij", self.f1[image, :, pixels], self.f2[image]).transpose(0, 1)
+
         with torch.autocast(device_type=self.f1.device.type, enabled=False):
-            pieces = [
-                # [heads, n, C/heads] x [heads, H*W, C/heads] -> [heads, n, H*W] -> [n, heads, H*W]
-                torch.einsum("hid,hjd->hij", self.f1[image, :, pixels], self.f2[image]).transpose(0, 1)
-                for image, pixels, _ in self._image_spans(rows)
-            ]
-        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return block.view(-1, self.heads, height, width)
+            block = self._over_images(rows, maps_of_image)
+        return block.view(-1, self.heads, *self.map_size)
 
     def _window_from_maps(self, rows: slice, points: Tensor) -> Tensor:
         """The cost maps of `rows` sampled at points [n, side, side, 2] -> [n, heads, side, side]."""
@@ -131,14 +131,14 @@ class FeatureCostVolume(CostVolume):
         """feat2 sampled at points [n, side, side, 2], dotted per head with the source features
         -> [n, heads, side, side]."""
         n, side = points.shape[:2]
-        pieces = []
-        for image, pixels, in_block in self._image_spans(rows):
+
+        def window_of_image(image: int, pixels: slice, in_block: slice) -> Tensor:
             image_points = points[in_block].reshape(1, -1, side * side, 2)  # [1, count, side², 2]
             sampled = bilinear_sample(self.feat2[image : image + 1], image_points)  # [1, C, count, side²]
             sampled = sampled.view(self.heads, -1, *image_points.shape[1:3])  # [heads, C/heads, count, side²]
-            pieces.append(torch.einsum("hnd,hdnw->nhw", self.f1[image, :, pixels], sampled))
-        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return block.view(n, self.heads, side, side)
+            return torch.einsum("hnd,hdnw->nhw", self.f1[image, :, pixels], sampled)  # [count, heads, side²]
+
+        return self._over_images(rows, window_of_image).view(n, self.heads, side, side)
 
     def window(self, coords: Tensor, radius: int) -> Tensor:
         """As CostVolume.window, a block of source pixels at a time: from the block's cost maps computed again
