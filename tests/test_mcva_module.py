@@ -71,6 +71,27 @@ def test_memory_budget_bounds_the_step_with_the_same_loss_and_gradients(monkeypa
         torch.testing.assert_close(bounded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    """backbone.activation_checkpoint applies to pretraining: masked tokenisation and the AGT layers recomputed
+    in backward give the keeping step's loss and gradients bitwise (encoders unfrozen, so they are checked too)."""
+    unfrozen = {"freeze_image_encoder": False, "freeze_context_encoder": False}
+    keeping = make_module(**unfrozen)
+    stages = ["image_encoders", "tokenize", "cost_layers"]
+    recomputing = make_module({"activation_checkpoint": stages}, **unfrozen)
+    images = image_pair()
+    noise, uniform = draws(keeping)
+    results = []
+    for module in (keeping, recomputing):
+        out = module.pretrain_step(*images, mask_noise=noise, query_uniform=uniform)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in module.backbone.named_parameters() if p.grad is not None}
+        results.append((out.round_losses, grads))
+    (losses, grads), (losses_recomputing, grads_recomputing) = results
+    assert torch.equal(losses, losses_recomputing)
+    assert grads.keys() == grads_recomputing.keys()
+    assert all(torch.equal(grads[name], grads_recomputing[name]) for name in grads)
+
+
 def test_loss_is_the_left_to_right_sum_of_rounds_of_normalised_target_mse():
     module = make_module(query_num=4)
     images = image_pair()

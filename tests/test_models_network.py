@@ -255,7 +255,7 @@ def test_bad_settings_raise_clear_errors() -> None:
 def test_chunked_and_checkpointed_tokenization_is_equivalent(masked: bool) -> None:
     """Memory options: chunking over source pixels and activation checkpointing change no number."""
     plain = build().train()
-    chunked = build(tokenize_chunk=7, tokenize_checkpoint=True).train()
+    chunked = build(tokenize_chunk=7, activation_checkpoint=["tokenize"]).train()
     chunked.load_state_dict(plain.state_dict())
     image1, image2 = images()
     results = []

@@ -25,6 +25,11 @@ from flowformer.models.flowformer import FlowFormer
 # MixerCostEncoder does) and is added here.
 COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder, "mixer": MixerCostEncoder}
 IMAGE_ENCODERS = ("twins", "cnn")
+# backbone.activation_checkpoint names the stages whose activations the backward pass recomputes instead of
+# keeping (same numbers, less memory, another forward of those stages): the image encoders (each Twins block,
+# each CNN stage); the cost maps' patchify + latent summary; the AGT layers (each, or each row block of a bounded
+# plan); each decoder iteration.
+ACTIVATION_CHECKPOINT_STAGES = ("image_encoders", "tokenize", "cost_layers", "decoder")
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,13 @@ class BackboneConfig:
     variant: "flowformer" | "flowformer_pp" (VARIANTS). image_encoder: "twins" (Twins-SVT-Large stages 0-1,
     feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: a local timm ImageNet file.
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
-    agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk / tokenize_checkpoint (memory options,
-    same numbers): its knobs. query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
+    agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers): its
+    knobs. query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
     recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth);
     decoder_dim: the recurrent decoder's width (GRU state, context input, motion features; official 128).
     memory_budget_gb: bound the forward pass's memory (None: the dense, official computation).
+    activation_checkpoint: stages in ACTIVATION_CHECKPOINT_STAGES whose activations training recomputes in
+    backward instead of keeping (none: the official training).
     """
 
     variant: str = "flowformer"
@@ -89,11 +96,18 @@ class BackboneConfig:
     recon_head_depth: int = 3
     decoder_dim: int = 128
     tokenize_chunk: int | None = 512
-    tokenize_checkpoint: bool = False
+    activation_checkpoint: tuple[str, ...] = ()
     memory_budget_gb: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
+        if isinstance(self.activation_checkpoint, str):
+            raise TypeError(
+                "backbone.activation_checkpoint is a list of stages, e.g. [decoder] or [tokenize,cost_layers], "
+                f"got the string {self.activation_checkpoint!r}"
+            )
+        object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
+        unknown = [stage for stage in self.activation_checkpoint if stage not in ACTIVATION_CHECKPOINT_STAGES]
         checks = [
             (self.variant in VARIANTS, f"backbone.variant must be one of {tuple(VARIANTS)}, got {self.variant!r}"),
             (
@@ -116,6 +130,10 @@ class BackboneConfig:
                 self.feature_dim % self.cost_heads == 0,
                 f"backbone.feature_dim ({self.feature_dim}) must be divisible by cost_heads ({self.cost_heads})",
             ),
+            (
+                not unknown,
+                f"backbone.activation_checkpoint takes stages from {ACTIVATION_CHECKPOINT_STAGES}, got {unknown}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -124,12 +142,18 @@ class BackboneConfig:
     def stored(self) -> dict:
         """The knobs as stored with checkpoints: plain values, without `twins_weights` (the ImageNet weights
         travel in the state dict, so rebuilding does not need the file)."""
-        return {**asdict(self), "cnn_widths": list(self.cnn_widths), "twins_weights": None}
+        return {
+            **asdict(self),
+            "cnn_widths": list(self.cnn_widths),
+            "activation_checkpoint": list(self.activation_checkpoint),
+            "twins_weights": None,
+        }
 
     def image_encoder_module(self) -> nn.Module:
+        recompute = "image_encoders" in self.activation_checkpoint
         if self.image_encoder == "twins":
-            return TwinsEncoder(twins_weights=self.twins_weights)
-        return BasicEncoder(feature_dim=self.feature_dim, cnn_widths=self.cnn_widths)
+            return TwinsEncoder(twins_weights=self.twins_weights, checkpoint_blocks=recompute)
+        return BasicEncoder(feature_dim=self.feature_dim, cnn_widths=self.cnn_widths, checkpoint_blocks=recompute)
 
     def cost_encoder_module(self) -> CostEncoder:
         traits = VARIANTS[self.variant]
@@ -144,7 +168,8 @@ class BackboneConfig:
             context_proj_dim=self.context_proj_dim,
             gsa_key_pe=traits.gsa_key_pe_without_context or self.context_proj_dim > 0,
             tokenize_chunk=self.tokenize_chunk,
-            tokenize_checkpoint=self.tokenize_checkpoint,
+            checkpoint_tokenize="tokenize" in self.activation_checkpoint,
+            checkpoint_layers="cost_layers" in self.activation_checkpoint,
         )
 
     def build(self) -> FlowFormer:
@@ -160,6 +185,7 @@ class BackboneConfig:
             recon_size=self.recon_size if traits.reconstruction_head else None,
             recon_head_depth=self.recon_head_depth,
             decoder_dim=self.decoder_dim,
+            checkpoint_iterations="decoder" in self.activation_checkpoint,
         )
         convertor = nn.Conv2d(self.feature_dim, self.feature_dim, 1, bias=False) if traits.channel_convertor else None
         return FlowFormer(

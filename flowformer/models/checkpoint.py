@@ -33,7 +33,8 @@ LIGHTNING_PREFIX = "backbone."
 # older versions are brought up to date wherever they are read (`current_backbone_config`), so they still load:
 # - knobs no longer taken are dropped; decoder_iters: the old default of forward's `iters`, which every caller now
 #   passes itself;
-# - the old `_target_`: FlowFormer took the knobs itself before it was assembled from parts by build_flowformer.
+# - the old `_target_`: FlowFormer took the knobs itself before it was assembled from parts by build_flowformer;
+# - tokenize_checkpoint (a bool) became one stage of activation_checkpoint (`tokenize`).
 RETIRED_BACKBONE_KEYS = ("decoder_iters",)
 RETIRED_TARGETS = {"flowformer.models.FlowFormer": "flowformer.models.build_flowformer"}
 
@@ -221,8 +222,10 @@ def load_official(path: str | Path, variant: str = "flowformer", **overrides) ->
 
 def current_backbone_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """A stored backbone config as today's builder takes it: without RETIRED_BACKBONE_KEYS, with an old
-    `_target_` replaced (RETIRED_TARGETS)."""
-    current = {k: v for k, v in config.items() if k not in RETIRED_BACKBONE_KEYS}
+    `_target_` replaced (RETIRED_TARGETS) and an old `tokenize_checkpoint` as `activation_checkpoint`."""
+    current = {k: v for k, v in config.items() if k not in (*RETIRED_BACKBONE_KEYS, "tokenize_checkpoint")}
+    if "tokenize_checkpoint" in config:
+        current["activation_checkpoint"] = ["tokenize"] if config["tokenize_checkpoint"] else []
     if "_target_" in current:
         current["_target_"] = RETIRED_TARGETS.get(current["_target_"], current["_target_"])
     return current

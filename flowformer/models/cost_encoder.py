@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
@@ -23,6 +22,7 @@ from flowformer.models.layers import (
     feed_forward,
     linear_position_encoding,
     multi_head_attention,
+    recomputed_in_backward,
     softmax_attention,
 )
 from flowformer.models.memory_plan import FLOAT_BYTES
@@ -363,7 +363,8 @@ class CostPerceiverEncoder(CostEncoder):
         context_proj_dim: int,
         gsa_key_pe: bool,
         tokenize_chunk: int | None = None,
-        tokenize_checkpoint: bool = False,
+        checkpoint_tokenize: bool = False,
+        checkpoint_layers: bool = False,
     ) -> None:
         super().__init__()
         if tokenize_chunk is not None and tokenize_chunk < 1:
@@ -374,7 +375,8 @@ class CostPerceiverEncoder(CostEncoder):
         self.num_latent_tokens = num_latent_tokens
         self.latent_dim = latent_dim
         self.tokenize_chunk = tokenize_chunk
-        self.tokenize_checkpoint = tokenize_checkpoint
+        self.checkpoint_tokenize = checkpoint_tokenize
+        self.checkpoint_layers = checkpoint_layers
         self.patch_embed = PatchEmbed(cost_heads=cost_heads, cost_patch_dim=cost_patch_dim, patch_pe_dim=patch_pe_dim)
         self.latent_tokens = nn.Parameter(torch.randn(1, num_latent_tokens, latent_dim))
         self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=cost_patch_dim + patch_pe_dim)
@@ -422,7 +424,7 @@ class CostPerceiverEncoder(CostEncoder):
         The patchify activations are the network's largest (about 15 GB per 432x960 training sample, measured
         with the official code on CPU). Rows are processed in blocks of at most `tokenize_chunk` and of the cost
         volume's `block_rows` (a FeatureCostVolume computes only that many cost maps at a time), and
-        `tokenize_checkpoint` recomputes each block in the backward pass instead of storing its activations.
+        `checkpoint_tokenize` recomputes each block in the backward pass instead of storing its activations.
         Blocks give the same numbers as one pass.
         """
         cost = as_cost_volume(cost)
@@ -435,10 +437,7 @@ class CostPerceiverEncoder(CostEncoder):
                 None if token_mask is None else token_mask.removed[part],
                 None if token_mask is None else token_mask.ids_keep[part],
             )
-            if self.tokenize_checkpoint and torch.is_grad_enabled():
-                pieces.append(checkpoint(self._tokenize_rows, *args, use_reentrant=False))
-            else:
-                pieces.append(self._tokenize_rows(*args))
+            pieces.append(recomputed_in_backward(self.checkpoint_tokenize, self._tokenize_rows, *args))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def forward(
@@ -453,7 +452,7 @@ class CostPerceiverEncoder(CostEncoder):
         activation_budget: bytes for the transient activations of each AGT layer (None: every row at once, the
         official computation). The intra-cost-map layers then run over blocks of source pixels and the
         inter-cost-map layers over blocks of the latent rows of one image; every row is computed as in one
-        pass."""
+        pass. `checkpoint_layers` recomputes each layer's (each block's) activations in the backward pass."""
         batch, _, h1, w1 = context.shape
         x = self.tokenize(cost, token_mask)
         shortcut = x  # [B*H1*W1, K, D]
@@ -462,32 +461,33 @@ class CostPerceiverEncoder(CostEncoder):
             pixel_rows = max(1, activation_budget // self.pixel_row_bytes())
             latent_rows = max(1, activation_budget // self.latent_row_bytes(h1, w1))
         for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
-            x = _in_row_blocks(intra, x, pixel_rows)
+            x = _in_row_blocks(intra, x, pixel_rows, self.checkpoint_layers)
             # row b*K + k holds slot k of every source pixel of image b
             x = rearrange(x, "(b n) k d -> (b k) n d", b=batch)  # -> [B*K, H1*W1, D]
-            x = _inter_in_row_blocks(inter, x, (h1, w1), context, latent_rows)
+            x = _inter_in_row_blocks(inter, x, (h1, w1), context, latent_rows, self.checkpoint_layers)
             x = rearrange(x, "(b k) n d -> (b n) k d", b=batch)  # -> [B*H1*W1, K, D]
         return x + shortcut
 
 
-def _in_row_blocks(layer: nn.Module, x: Tensor, rows: int | None) -> Tensor:
-    """layer over x [R, ...] in blocks of at most `rows` rows (None: at once); rows are independent."""
+def _in_row_blocks(layer: nn.Module, x: Tensor, rows: int | None, recompute: bool) -> Tensor:
+    """layer over x [R, ...] in blocks of at most `rows` rows (None: at once); rows are independent. recompute:
+    each block's activations are recomputed in backward instead of kept."""
     if rows is None or rows >= x.shape[0]:
-        return layer(x)
-    return torch.cat([layer(part) for part in x.split(rows)])
+        return recomputed_in_backward(recompute, layer, x)
+    return torch.cat([recomputed_in_backward(recompute, layer, part) for part in x.split(rows)])
 
 
 def _inter_in_row_blocks(
-    layer: nn.Module, x: Tensor, size: tuple[int, int], context: Tensor, rows: int | None
+    layer: nn.Module, x: Tensor, size: tuple[int, int], context: Tensor, rows: int | None, recompute: bool
 ) -> Tensor:
     """An inter-cost-map layer over x [B*K, H1*W1, D] with context [B, C, H1, W1], in blocks of at most `rows`
     latent rows of one image, each with its own image's context [1, C, H1, W1]; None: all rows at once."""
     if rows is None or rows >= x.shape[0]:
-        return layer(x, size, context)
+        return recomputed_in_backward(recompute, layer, x, size, context)
     per_image = x.shape[0] // context.shape[0]
     return torch.cat(
         [
-            _in_row_blocks(lambda part, own=own: layer(part, size, own), image_rows, rows)
+            _in_row_blocks(lambda part, own=own: layer(part, size, own), image_rows, rows, recompute)
             for image_rows, own in zip(x.split(per_image), context.split(1))
         ]
     )

@@ -16,6 +16,7 @@ from flowformer.models.layers import (
     feed_forward,
     linear_position_encoding,
     multi_head_attention,
+    recomputed_in_backward,
     upsample_flow_convex,
 )
 from flowformer.models.memory_plan import FLOAT_BYTES
@@ -255,7 +256,8 @@ class ReconstructionHead(nn.Sequential):
 class MemoryDecoder(nn.Module):
     """Iterative flow decoding from the cost memory [B*H1*W1, K, memory_dim]; with `recon_size`, also
     FlowFormer++'s reconstruction head (`recon_size` None: no head, FlowFormer). decoder_dim: the width of the
-    recurrent part (GRU state, context input, motion features; official 128)."""
+    recurrent part (GRU state, context input, motion features; official 128). checkpoint_iterations: each
+    refinement iteration's activations are recomputed in the backward pass instead of kept."""
 
     def __init__(
         self,
@@ -269,9 +271,11 @@ class MemoryDecoder(nn.Module):
         recon_size: int | None,
         recon_head_depth: int,
         decoder_dim: int,
+        checkpoint_iterations: bool = False,
     ) -> None:
         super().__init__()
         self.decoder_dim = decoder_dim
+        self.checkpoint_iterations = checkpoint_iterations
         crop_dim = cost_heads * (2 * QUERY_RADIUS + 1) ** 2
         self.flow_token_encoder = nn.Sequential(
             nn.Conv2d(crop_dim, query_dim, 1), nn.GELU(), nn.Conv2d(query_dim, query_dim, 1)
@@ -345,16 +349,22 @@ class MemoryDecoder(nn.Module):
         if activation_budget is not None:
             row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
             upsample_rows = max(1, activation_budget // row_bytes)
-        outputs = []
-        for iteration in range(iters):
-            coords1 = coords1.detach()
+
+        def refine(net: Tensor, coords1: Tensor, upsample: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+            """One iteration: -> (GRU state, coords1 [B, 2, H1, W1], flow_up [B, 2, H, W] if upsample)."""
             cost_global, crop = self.query(kv, cost, coords1)
             corr = torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
             flow = coords1 - coords0
-            upsample = upsample_all or iteration == iters - 1
             net, up_mask, delta = self.update_block(net, inp, corr, flow, attention, with_mask=upsample)
             coords1 = coords1 + delta.float()
-            flow_low = coords1 - coords0
-            flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
-            outputs.append((flow_up, flow_low))
+            flow_up = upsample_flow_convex(coords1 - coords0, up_mask.float(), upsample_rows) if upsample else None
+            return net, coords1, flow_up
+
+        outputs = []
+        for iteration in range(iters):
+            upsample = upsample_all or iteration == iters - 1
+            net, coords1, flow_up = recomputed_in_backward(
+                self.checkpoint_iterations, refine, net, coords1.detach(), upsample
+            )
+            outputs.append((flow_up, coords1 - coords0))
         return outputs

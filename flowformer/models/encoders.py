@@ -3,6 +3,8 @@
 Both map a normalised image [B, 3, H, W] to features [B, feature_dim, H/8, W/8] and say which images they accept:
 `kind` names them in messages, `min_image_side` is the smallest image side they take. An encoder with
 `supports_activation_budget` also takes `activation_budget` (bytes or None), a bound on its layers' transients.
+With `checkpoint_blocks`, training recomputes each block's activations in backward instead of keeping them
+(Twins: each transformer block; CNN: each stage of residual blocks), one block at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from timm.models.twins import Block as TwinsBlock
 from timm.models.twins import LocallyGroupedAttn
 from torch import Tensor, nn
 
+from flowformer.models.layers import recomputed_in_backward
 from flowformer.models.memory_plan import FLOAT_BYTES
 
 TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
@@ -54,8 +57,9 @@ class TwinsEncoder(nn.Module):
     feature_dim = TWINS_DIM
     supports_activation_budget = True
 
-    def __init__(self, *, twins_weights: str | None = None) -> None:
+    def __init__(self, *, twins_weights: str | None = None, checkpoint_blocks: bool = False) -> None:
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         # twins_svt_large's settings for its stages 0 and 1 (timm's twins_svt_large: embed dims 128/256,
         # heads 4/8, MLP ratio 4, depth 2 each, LSA window 7, GSA sub-sampling 8/4)
         self.svt = timm.create_model(
@@ -110,7 +114,7 @@ class TwinsEncoder(nn.Module):
                 row_bytes = batch * size[1] * x.shape[-1] * TWINS_BLOCK_VALUES_PER_CHANNEL * FLOAT_BYTES
                 rows = max(1, activation_budget // row_bytes)
             for j, block in enumerate(blocks):
-                x = _block_in_row_blocks(block, x, size, rows)
+                x = recomputed_in_backward(self.checkpoint_blocks, _block_in_row_blocks, block, x, size, rows)
                 if j == 0:
                     x = pos_block(x, size)  # PEG after the first (LSA) block
             x = x.reshape(batch, *size, -1).permute(0, 3, 1, 2).contiguous()
@@ -215,11 +219,12 @@ class BasicEncoder(nn.Module):
     # instance norm takes each channel's statistics over the whole image: the encoder runs at once
     supports_activation_budget = False
 
-    def __init__(self, *, feature_dim: int, cnn_widths: Sequence[int]) -> None:
+    def __init__(self, *, feature_dim: int, cnn_widths: Sequence[int], checkpoint_blocks: bool = False) -> None:
         super().__init__()
         if len(cnn_widths) != 3:
             raise ValueError(f"backbone.cnn_widths must list 3 stage widths, got {list(cnn_widths)}")
         self.feature_dim = feature_dim
+        self.checkpoint_blocks = checkpoint_blocks
         w0, w1, w2 = cnn_widths
         self.conv1 = nn.Conv2d(3, w0, kernel_size=7, stride=2, padding=3)
         self.norm1 = nn.InstanceNorm2d(w0)
@@ -241,5 +246,6 @@ class BasicEncoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.relu1(self.norm1(self.conv1(x)))
-        x = self.layer3(self.layer2(self.layer1(x)))
+        for stage in (self.layer1, self.layer2, self.layer3):
+            x = recomputed_in_backward(self.checkpoint_blocks, stage, x)
         return self.conv2(x)

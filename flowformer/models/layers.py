@@ -1,11 +1,17 @@
 """Small pure helpers shared by the cost encoder and the decoder: coordinates, positional code, sampling,
-attention arithmetic and convex upsampling, with the official constants and orders."""
+attention arithmetic, convex upsampling and activation checkpointing, with the official constants and orders."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+Output = TypeVar("Output")
 
 
 def coords_grid(batch: int, height: int, width: int, device: torch.device | None = None) -> Tensor:
@@ -155,3 +161,12 @@ def feed_forward(dim: int) -> nn.Sequential:
     """Linear -> GELU -> Linear at width 1x (the official FFN of the latent, intra and decoder attention layers, not
     4x). Identity slots stand for the official Dropouts, keeping the key indices ffn.0/ffn.3."""
     return nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Identity(), nn.Linear(dim, dim), nn.Identity())
+
+
+def recomputed_in_backward(enabled: bool, fn: Callable[..., Output], *args: object) -> Output:
+    """fn(*args); with `enabled`, while autograd records, its activations are recomputed in the backward pass
+    instead of kept (`backbone.activation_checkpoint`). The recomputation runs the same kernels on the same
+    inputs, so the numbers are those of keeping them."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
