@@ -4,6 +4,7 @@ memory-bounded path."""
 
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -28,9 +29,11 @@ def labelled(label: list[str], name: str, method: Callable) -> Callable:
     return run
 
 
-def training_step(net: FlowFormer) -> tuple[dict[str, int], list[torch.Tensor], dict[str, torch.Tensor]]:
-    """One supervised step on a fixed pair -> (bytes autograd keeps for backward per stage, the flow
-    predictions, the gradients). A storage counts once in each stage that saves it (the decoder keeps the
+def training_step(
+    net: FlowFormer, forward_context: AbstractContextManager | None = None
+) -> tuple[dict[str, int], list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One supervised step on a fixed pair, the forward within `forward_context` (the backward outside, as
+    Lightning runs it) -> (bytes autograd keeps for backward per stage, the flow predictions, the gradients). A storage counts once in each stage that saves it (the decoder keeps the
     cost volume that the cost encoder read, too)."""
     label = ["other"]
     net.encode_images = labelled(label, "image_encoders", net.encode_images)
@@ -52,7 +55,10 @@ def training_step(net: FlowFormer) -> tuple[dict[str, int], list[torch.Tensor], 
     image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
     flow = torch.zeros(2, 2, 48, 64)
     flow[:, 0], flow[:, 1] = 3.0, 2.0
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+    with (
+        forward_context or nullcontext(),
+        torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor),
+    ):
         predictions = net(image1, image2, iters=3)["flow_predictions"]
     loss, _ = sequence_loss(predictions, flow, torch.ones(2, 48, 64), gamma=0.8, max_flow=400.0)
     loss.backward()
@@ -80,6 +86,23 @@ def test_checkpointed_stages_keep_little_and_give_the_same_gradients(stages, bou
     assert all(torch.equal(a, b) for a, b in zip(flows, flows_recomputing, strict=True))
     assert grads.keys() == grads_recomputing.keys()
     assert all(torch.equal(grads[name], grads_recomputing[name]) for name in grads)
+
+
+def test_recomputation_keeps_the_autocast_of_the_forward():
+    """Under bf16 autocast (the GPU recipe's precision) the recomputed stages run in the forward's precision
+    again, though backward runs outside autocast, so the gradients stay those of keeping the activations."""
+    torch.manual_seed(0)
+    nets = [build_backbone(activation_checkpoint=stages) for stages in ([], ACTIVATION_CHECKPOINT_STAGES, [])]
+    for net in nets[1:]:
+        net.load_state_dict(nets[0].state_dict())
+    contexts = [torch.autocast("cpu", dtype=torch.bfloat16) for _ in range(2)] + [None]
+    (_, flows, grads), (_, flows_recomputing, grads_recomputing), (_, _, grads_fp32) = map(
+        training_step, nets, contexts
+    )
+    assert all(torch.equal(a, b) for a, b in zip(flows, flows_recomputing, strict=True))
+    assert grads.keys() == grads_recomputing.keys() == grads_fp32.keys()
+    assert all(torch.equal(grads[name], grads_recomputing[name]) for name in grads)
+    assert not all(torch.equal(grads[name], grads_fp32[name]) for name in grads)  # autocast did change them
 
 
 def test_inference_is_unaffected():

@@ -35,6 +35,18 @@ def test_bench_writes_a_row_per_size_path_and_precision(tmp_path):
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_report_names_the_stages_recomputed_in_backward(tmp_path, capsys):
+    cfg = config(
+        "bench.mode=train", "bench.sizes=[[64,96]]", "bench.iters=1", "bench.repeats=1", "bench.warmup=0",
+        "backbone.activation_checkpoint=[decoder,cost_layers]", f"paths.output_dir={tmp_path}",
+    )
+    bench.run(cfg)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["setup"]["activation_checkpoint"] == ["decoder", "cost_layers"]
+    assert report["rows"][0]["status"] == "ok"
+    assert "recomputed in backward: ['decoder', 'cost_layers']" in capsys.readouterr().out
+
+
 def test_a_row_that_does_not_finish_is_recorded_and_the_benchmark_goes_on(tmp_path):
     cfg = config("bench.sizes=[[64,96]]", "bench.timeout_s=0.01", f"paths.output_dir={tmp_path}")
     assert torch.isnan(torch.tensor(bench.run(cfg)))

@@ -14,7 +14,8 @@ bench.mode picks the step:
 
 With `runtime.compile=true` the network's stages are torch.compiled; the first warmup step of a row compiles
 them, and the row's `compile_s` is that step's time minus the row's mean step time (the compile time, with the
-warmup's one-off costs such as allocator growth). `runtime.matmul_precision` applies in every row.
+warmup's one-off costs such as allocator growth). `runtime.matmul_precision` and, for the training steps,
+`backbone.activation_checkpoint` apply in every row; the report names both.
 
 Every row (size x memory path x precision) runs in a fresh process, so its peak memory is its own (a CPU
 process's peak RSS only grows) and a row that runs out of memory is recorded as such instead of ending the
@@ -309,6 +310,7 @@ def run(cfg: DictConfig) -> float:
     } | {
         "backbone": cfg.backbone.get("variant"),
         "image_encoder": cfg.backbone.get("image_encoder"),
+        "activation_checkpoint": list(cfg.backbone.get("activation_checkpoint", [])),
         "matmul_precision": runtime.matmul_precision,
         "cpu_mmap_threshold_mb": runtime.cpu_mmap_threshold_mb,
         "compile": f"{runtime.compile_backend} ({runtime.compile_mode})" if runtime.compile else None,
@@ -320,6 +322,7 @@ def run(cfg: DictConfig) -> float:
     title = (
         f"{setup['backbone']} ({setup['image_encoder']}), {setup['mode']}, batch {setup['batch_size']}, "
         f"{setup['iters']} iterations, on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
+        + (f", recomputed in backward: {setup['activation_checkpoint']}" if setup["activation_checkpoint"] else "")
         + (f", compiled: {setup['compile']}" if setup["compile"] else "")
     )
     plot(rows, title, output_dir / "bench.png")
