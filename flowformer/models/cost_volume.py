@@ -24,9 +24,13 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from flowformer.models.layers import bilinear_sample, sample_cost_window, window_offsets
+from flowformer.models.layers import (
+    bilinear_sample,
+    recomputed_in_backward,
+    sample_cost_window,
+    window_offsets,
+)
 
 __all__ = ["CostVolume", "DenseCostVolume", "FeatureCostVolume", "as_cost_volume", "dense_cost_maps"]
 
@@ -152,17 +156,14 @@ class FeatureCostVolume(CostVolume):
         points = centres + window_offsets(radius, coords.device)  # [B*H1*W1, side, side, 2], as the dense
         from_maps = h1 * w1 <= MAPS_FOR_WINDOWS_MAX_PIXELS
         window_block = self._window_from_maps if from_maps else self._window_from_features
-        recompute = torch.is_grad_enabled() and (self.f1.requires_grad or self.feat2.requires_grad)
+        recompute = self.f1.requires_grad or self.feat2.requires_grad
         # written block by block into one tensor: blocks of results kept between the blocks' large transients
         # fragmented the CPU heap (3.5 GiB at 1080x1920)
         out = torch.empty(self.num_rows, self.heads, side, side, device=coords.device)
         with torch.autocast(device_type=coords.device.type, enabled=False):
             for start in range(0, self.num_rows, self.block_rows):
                 rows = slice(start, min(start + self.block_rows, self.num_rows))
-                if recompute:
-                    out[rows] = checkpoint(window_block, rows, points[rows], use_reentrant=False)
-                else:
-                    out[rows] = window_block(rows, points[rows])
+                out[rows] = recomputed_in_backward(recompute, window_block, rows, points[rows])
         # [B*H1*W1, heads, side, side] -> [B, heads*side², H1, W1]
         return out.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
