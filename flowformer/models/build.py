@@ -28,7 +28,7 @@ IMAGE_ENCODERS = ("twins", "cnn")
 # backbone.activation_checkpoint names the stages whose activations the backward pass recomputes instead of
 # keeping (same numbers, less memory, another forward of those stages): the image encoders (each Twins block,
 # each CNN stage); the cost maps' patchify + latent summary; the AGT layers (each, or each row block of a bounded
-# plan); each decoder iteration.
+# plan); each decoder iteration (and each MCVA query round: the decoder's cost query and the reconstruction head).
 ACTIVATION_CHECKPOINT_STAGES = ("image_encoders", "tokenize", "cost_layers", "decoder")
 
 

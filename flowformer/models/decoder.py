@@ -257,7 +257,8 @@ class MemoryDecoder(nn.Module):
     """Iterative flow decoding from the cost memory [B*H1*W1, K, memory_dim]; with `recon_size`, also
     FlowFormer++'s reconstruction head (`recon_size` None: no head, FlowFormer). decoder_dim: the width of the
     recurrent part (GRU state, context input, motion features; official 128). checkpoint_iterations: each
-    refinement iteration's activations are recomputed in the backward pass instead of kept."""
+    refinement iteration's activations (and each MCVA query round's, flowformer/models/mcva.py) are recomputed in
+    the backward pass instead of kept."""
 
     def __init__(
         self,
@@ -350,21 +351,22 @@ class MemoryDecoder(nn.Module):
             row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
             upsample_rows = max(1, activation_budget // row_bytes)
 
-        def refine(net: Tensor, coords1: Tensor, upsample: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-            """One iteration: -> (GRU state, coords1 [B, 2, H1, W1], flow_up [B, 2, H, W] if upsample)."""
+        def refine(net: Tensor, coords1: Tensor, upsample: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+            """One iteration: -> (GRU state, coords1, flow_low [B, 2, H1, W1], flow_up [B, 2, H, W] if upsample)."""
             cost_global, crop = self.query(kv, cost, coords1)
             corr = torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
             flow = coords1 - coords0
             net, up_mask, delta = self.update_block(net, inp, corr, flow, attention, with_mask=upsample)
             coords1 = coords1 + delta.float()
-            flow_up = upsample_flow_convex(coords1 - coords0, up_mask.float(), upsample_rows) if upsample else None
-            return net, coords1, flow_up
+            flow_low = coords1 - coords0
+            flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
+            return net, coords1, flow_low, flow_up
 
         outputs = []
         for iteration in range(iters):
             upsample = upsample_all or iteration == iters - 1
-            net, coords1, flow_up = recomputed_in_backward(
+            net, coords1, flow_low, flow_up = recomputed_in_backward(
                 self.checkpoint_iterations, refine, net, coords1.detach(), upsample
             )
-            outputs.append((flow_up, coords1 - coords0))
+            outputs.append((flow_up, flow_low))
         return outputs

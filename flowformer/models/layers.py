@@ -1,5 +1,5 @@
-"""Small pure helpers shared by the cost encoder and the decoder: coordinates, positional code, sampling,
-attention arithmetic, convex upsampling and activation checkpointing, with the official constants and orders."""
+"""Small pure helpers shared by the network's modules: coordinates, positional code, sampling, attention
+arithmetic, convex upsampling and activation checkpointing, with the official constants and orders."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from flowformer.models.cost_encoder import PATCH
 from flowformer.models.cost_volume import as_cost_volume
+from flowformer.models.layers import recomputed_in_backward
 from flowformer.models.token_mask import TokenMask
 
 MaskingStrategy = Literal["block", "random"]
@@ -270,6 +271,13 @@ def mcva_forward(
     recon_size = net.pretrain_head.recon_size
     total = torch.zeros((), device=device, dtype=torch.float32)
     round_losses, predictions, targets = [], [], []
+
+    def reconstruct(coords: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (the round's loss, its prediction [B, heads*S^2, H1, W1]) at coords [B, 2, H1, W1]."""
+        cost_global = net.query_cost_memory(cost_memory, cost, coords, memory_kv)  # [B, Q, H1, W1]
+        prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
+        return reconstruction_loss(prediction, target, normalize=objective.normalize), prediction
+
     for round_idx in range(objective.query_num):
         uniform = None if query_uniform is None else query_uniform[round_idx].to(device)
         coords = recon_locations(
@@ -281,9 +289,10 @@ def mcva_forward(
         )
         with torch.no_grad():  # the target is a constant of the loss
             target = cost.window(coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
-        cost_global = net.query_cost_memory(cost_memory, cost, coords, memory_kv)  # [B, Q, H1, W1]
-        prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
-        round_loss = reconstruction_loss(prediction, target, normalize=objective.normalize)
+        # with backbone.activation_checkpoint's `decoder`, each round's query and head recompute in backward
+        round_loss, prediction = recomputed_in_backward(
+            net.memory_decoder.checkpoint_iterations, reconstruct, coords, target
+        )
         total = total + round_loss  # summed (not averaged) left to right from 0, as the official loop
         round_losses.append(round_loss.detach())
         if round_idx < keep_rounds:
