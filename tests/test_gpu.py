@@ -1,6 +1,7 @@
 """What only a GPU shows (skipped without CUDA): bf16-mixed training and MCVA pretraining through run.py, DDP
-over NCCL launched by Lightning, TF32 under the default runtime.matmul_precision and an inductor-compiled
-network. bf16 autocast against fp32 on CUDA is in test_models_network.py."""
+over NCCL launched by Lightning, TF32 under the default runtime.matmul_precision, an inductor-compiled
+network and the memory activation checkpointing saves. bf16 autocast against fp32 on CUDA is in
+test_models_network.py."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from compose_helper import compose_tiny_config
 from conftest import build_backbone
 from run_helper import run_py
 
+from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.tasks.runtime import compile_network, configure_runtime
 
 pytestmark = [
@@ -80,3 +82,31 @@ def test_tf32_by_default_and_an_inductor_compiled_forward_matches_eager() -> Non
         flow = net(image1, image2, iters=4)["flow"]
         expected = reference(image1, image2, iters=4)["flow"]
     torch.testing.assert_close(flow, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_activation_checkpointing_lowers_the_peak_of_a_bf16_training_step() -> None:
+    """backbone.activation_checkpoint on CUDA under bf16 autocast: a lower peak of allocated memory and the same
+    gradients, up to the rounding of CUDA's atomic-add backward kernels (grid_sample's), which are not bitwise
+    repeatable: so the whole gradient is compared by direction and length."""
+    g = torch.Generator().manual_seed(0)
+    image1 = (torch.rand(2, 3, 192, 256, generator=g) * 255).cuda()
+    image2 = torch.roll(image1, shifts=(2, 3), dims=(2, 3))
+    torch.manual_seed(0)
+    nets = [
+        build_backbone(activation_checkpoint=stages).cuda() for stages in ([], ACTIVATION_CHECKPOINT_STAGES)
+    ]
+    nets[1].load_state_dict(nets[0].state_dict())
+    peaks, grads = [], []
+    for net in nets:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            predictions = net(image1, image2, iters=6)["flow_predictions"]
+        sum(p.float().square().mean() for p in predictions).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - start)
+        grads.append(torch.cat([p.grad.float().flatten() for p in net.parameters() if p.grad is not None]))
+    assert peaks[1] < 0.6 * peaks[0]
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.999
+    assert torch.isclose(grads[1].norm(), grads[0].norm(), rtol=1e-2)
