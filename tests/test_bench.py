@@ -35,16 +35,21 @@ def test_bench_writes_a_row_per_size_path_and_precision(tmp_path):
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_the_report_names_the_stages_recomputed_in_backward(tmp_path, capsys):
+def test_training_rows_for_each_set_of_recomputed_stages(tmp_path):
     cfg = config(
         "bench.mode=train", "bench.sizes=[[64,96]]", "bench.iters=1", "bench.repeats=1", "bench.warmup=0",
-        "backbone.activation_checkpoint=[decoder,cost_layers]", f"paths.output_dir={tmp_path}",
+        "bench.activation_checkpoints=[[],[decoder,cost_layers]]", f"paths.output_dir={tmp_path}",
     )
     bench.run(cfg)
-    report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["setup"]["activation_checkpoint"] == ["decoder", "cost_layers"]
-    assert report["rows"][0]["status"] == "ok"
-    assert "recomputed in backward: ['decoder', 'cost_layers']" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["path"], r["activation_checkpoint"], r["status"]) for r in rows] == [
+        ("dense", [], "ok"), ("dense, recomputing decoder+cost_layers", ["decoder", "cost_layers"], "ok")
+    ]
+    assert "| 64x96 | 0.01 | dense, recomputing decoder+cost_layers | 32-true |" in (tmp_path / "bench.md").read_text()
+    # each row's process builds the backbone with the row's stages
+    row = bench.row_config(cfg, [64, 96], None, "32-true", ["decoder"])
+    assert row.backbone.activation_checkpoint == ["decoder"] and row.model.backbone.activation_checkpoint == ["decoder"]
+    assert list(bench.row_config(cfg, [64, 96], None, "32-true").backbone.activation_checkpoint) == []
 
 
 def test_a_row_that_does_not_finish_is_recorded_and_the_benchmark_goes_on(tmp_path):

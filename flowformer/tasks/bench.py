@@ -1,5 +1,6 @@
 """task=bench: time one step of cfg.backbone and its peak memory, over a list of input sizes, memory paths
-(dense, or bounded by `backbone.memory_budget_gb`) and precisions.
+(dense, or bounded by `backbone.memory_budget_gb`), sets of stages recomputed in backward
+(`backbone.activation_checkpoint`, for the training steps) and precisions.
 
 bench.mode picks the step:
   forward:  the eval-mode forward (inference);
@@ -10,21 +11,24 @@ bench.mode picks the step:
     python run.py task=bench backbone=flowformer bench.sizes=[[368,496],[720,1280],[1080,1920]] \
         bench.memory_budgets_gb=[null,2] bench.precisions=[32-true,bf16-mixed]
     python run.py task=bench backbone=flowformer bench.mode=train bench.batch_size=8 bench.precisions=[bf16-mixed]
+    python run.py task=bench backbone=flowformer bench.mode=train \
+        'bench.activation_checkpoints=[[],[image_encoders,tokenize,cost_layers,decoder]]'
     python run.py task=bench backbone=flowformer_pp model=mcva bench.mode=pretrain bench.batch_size=8
 
 With `runtime.compile=true` the network's stages are torch.compiled; the first warmup step of a row compiles
 them, and the row's `compile_s` is that step's time minus the row's mean step time (the compile time, with the
-warmup's one-off costs such as allocator growth). `runtime.matmul_precision` and, for the training steps,
-`backbone.activation_checkpoint` apply in every row; the report names both.
+warmup's one-off costs such as allocator growth). `runtime.matmul_precision` applies in every row.
 
-Every row (size x memory path x precision) runs in a fresh process, so its peak memory is its own (a CPU
+Every row (size x memory path x recomputed stages x precision) runs in a fresh process, so its peak memory is its own (a CPU
 process's peak RSS only grows) and a row that runs out of memory is recorded as such instead of ending the
 benchmark. Writes <run dir>/bench.json (the machine and every row), bench.md (the table) and bench.png (time and
-peak memory against megapixels, one line per path and precision). Returns the first row's mean seconds per step.
+peak memory against megapixels, one line per path, recomputed stages and precision). Returns the first row's mean
+seconds per step.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing
@@ -106,15 +110,23 @@ def build_step(
     return net, train_step
 
 
-def row_config(cfg: DictConfig, size: list[int], budget_gb: float | None, precision: str) -> DictConfig:
+def row_config(
+    cfg: DictConfig,
+    size: list[int],
+    budget_gb: float | None,
+    precision: str,
+    recomputed: list[str] | None = None,
+) -> DictConfig:
     """What one row's process needs (seed, runtime, bench, backbone, model) as plain values, with
-    `bench.height/width/precision` and `backbone.memory_budget_gb` set to the row's. Only these nodes are
-    resolved: resolving the whole config would claim another run directory (`paths.output_dir` is
-    `${fresh_dir:...}`)."""
+    `bench.height/width/precision`, `backbone.memory_budget_gb` and `backbone.activation_checkpoint` (None: the
+    backbone's) set to the row's. Only these nodes are resolved: resolving the whole config would claim another
+    run directory (`paths.output_dir` is `${fresh_dir:...}`)."""
     nodes = ("runtime", "bench", "backbone", "model")
     row = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in nodes}
     row["bench"] |= {"height": size[0], "width": size[1], "precision": precision}
     row["backbone"]["memory_budget_gb"] = budget_gb
+    if recomputed is not None:
+        row["backbone"]["activation_checkpoint"] = list(recomputed)
     row["model"]["backbone"] = row["backbone"]
     return OmegaConf.create({"seed": cfg.seed, **row})
 
@@ -208,8 +220,10 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def path_label(budget_gb: float | None) -> str:
-    return "dense" if budget_gb is None else f"budget {budget_gb:g} GB"
+def path_label(budget_gb: float | None, recomputed: list[str]) -> str:
+    """The memory path of a row: dense or its budget, and the stages it recomputes in backward, if any."""
+    path = "dense" if budget_gb is None else f"budget {budget_gb:g} GB"
+    return f"{path}, recomputing {'+'.join(recomputed)}" if recomputed else path
 
 
 def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
@@ -288,29 +302,30 @@ def run(cfg: DictConfig) -> float:
         raise ValueError("runtime.compile=true needs bench.warmup >= 1: the first step compiles (not timed)")
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    recomputed_sets = [list(stages) for stages in bench.activation_checkpoints] if bench.mode != "forward" else [[]]
     rows = []
-    for size in bench.sizes:
-        for budget_gb in bench.memory_budgets_gb:
-            for precision in bench.precisions:
-                row = {
-                    "height": size[0],
-                    "width": size[1],
-                    "megapixels": size[0] * size[1] / 1e6,
-                    "path": path_label(budget_gb),
-                    "memory_budget_gb": budget_gb,
-                    "precision": precision,
-                }
-                log.info("bench: %s", row)
-                row |= measure_isolated(row_config(cfg, size, budget_gb, precision), bench.timeout_s)
-                log.info("bench: %s", json.dumps(row))
-                rows.append(row)
+    for size, budget_gb, recomputed, precision in itertools.product(
+        bench.sizes, bench.memory_budgets_gb, recomputed_sets, bench.precisions
+    ):
+        row = {
+            "height": size[0],
+            "width": size[1],
+            "megapixels": size[0] * size[1] / 1e6,
+            "path": path_label(budget_gb, recomputed),
+            "memory_budget_gb": budget_gb,
+            "activation_checkpoint": recomputed,
+            "precision": precision,
+        }
+        log.info("bench: %s", row)
+        row |= measure_isolated(row_config(cfg, size, budget_gb, precision, recomputed), bench.timeout_s)
+        log.info("bench: %s", json.dumps(row))
+        rows.append(row)
     runtime = cfg.runtime
     setup = {
         key: cfg.bench[key] for key in ("mode", "batch_size", "iters", "warmup", "repeats", "device")
     } | {
         "backbone": cfg.backbone.get("variant"),
         "image_encoder": cfg.backbone.get("image_encoder"),
-        "activation_checkpoint": list(cfg.backbone.get("activation_checkpoint", [])),
         "matmul_precision": runtime.matmul_precision,
         "cpu_mmap_threshold_mb": runtime.cpu_mmap_threshold_mb,
         "compile": f"{runtime.compile_backend} ({runtime.compile_mode})" if runtime.compile else None,
@@ -322,7 +337,6 @@ def run(cfg: DictConfig) -> float:
     title = (
         f"{setup['backbone']} ({setup['image_encoder']}), {setup['mode']}, batch {setup['batch_size']}, "
         f"{setup['iters']} iterations, on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
-        + (f", recomputed in backward: {setup['activation_checkpoint']}" if setup["activation_checkpoint"] else "")
         + (f", compiled: {setup['compile']}" if setup["compile"] else "")
     )
     plot(rows, title, output_dir / "bench.png")
