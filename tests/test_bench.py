@@ -7,6 +7,7 @@ import pytest
 import torch
 from compose_helper import compose_tiny_config
 
+from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.tasks import bench
 
 
@@ -46,6 +47,7 @@ def test_training_rows_for_each_set_of_recomputed_stages(tmp_path):
         ("dense", [], "ok"), ("dense, recomputing decoder+cost_layers", ["decoder", "cost_layers"], "ok")
     ]
     assert "| 64x96 | 0.01 | dense, recomputing decoder+cost_layers | 32-true |" in (tmp_path / "bench.md").read_text()
+    assert bench.path_label(0.5, list(ACTIVATION_CHECKPOINT_STAGES)) == "budget 0.5 GB, recomputing all stages"
     # each row's process builds the backbone with the row's stages
     row = bench.row_config(cfg, [64, 96], None, "32-true", ["decoder"])
     assert row.backbone.activation_checkpoint == ["decoder"] and row.model.backbone.activation_checkpoint == ["decoder"]

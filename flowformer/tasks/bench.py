@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
+from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.tasks.runtime import (
     autocast_context,
     compile_network,
@@ -223,7 +224,10 @@ def machine() -> dict[str, Any]:
 def path_label(budget_gb: float | None, recomputed: list[str]) -> str:
     """The memory path of a row: dense or its budget, and the stages it recomputes in backward, if any."""
     path = "dense" if budget_gb is None else f"budget {budget_gb:g} GB"
-    return f"{path}, recomputing {'+'.join(recomputed)}" if recomputed else path
+    if not recomputed:
+        return path
+    everything = set(recomputed) == set(ACTIVATION_CHECKPOINT_STAGES)
+    return f"{path}, recomputing {'all stages' if everything else '+'.join(recomputed)}"
 
 
 def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
@@ -284,7 +288,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     memory_axis.set(xlabel="megapixels", ylabel="GiB", title=memory_title)
     for axis in (time_axis, memory_axis):
         axis.grid(alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize=7)
     figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
