@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import pickle
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,14 @@ OFFICIAL_PREFIX = "module."
 LIGHTNING_PREFIX = "backbone."
 # Stored backbone configs (our backbone files, the `backbone` hyper-parameters of Lightning checkpoints) written by
 # older versions are brought up to date wherever they are read (`current_backbone_config`), so they still load:
-# - knobs no longer taken are dropped; decoder_iters: the old default of forward's `iters`, which every caller now
-#   passes itself;
-# - the old `_target_`: FlowFormer took the knobs itself before it was assembled from parts by build_flowformer;
-# - tokenize_checkpoint (a bool) became one stage of activation_checkpoint (`tokenize`).
-RETIRED_BACKBONE_KEYS = ("decoder_iters",)
+# - a knob no longer taken gives way to the knobs its value now means (RETIRED_BACKBONE_KEYS): decoder_iters, the old
+#   default of forward's `iters`, to none (every caller now passes it); tokenize_checkpoint (a bool) to one stage
+#   of activation_checkpoint;
+# - the old `_target_`: FlowFormer took the knobs itself before it was assembled from parts by build_flowformer.
+RETIRED_BACKBONE_KEYS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "decoder_iters": lambda _: {},
+    "tokenize_checkpoint": lambda on: {"activation_checkpoint": ["tokenize"] if on else []},
+}
 RETIRED_TARGETS = {"flowformer.models.FlowFormer": "flowformer.models.build_flowformer"}
 
 
@@ -221,11 +224,11 @@ def load_official(path: str | Path, variant: str = "flowformer", **overrides) ->
 
 
 def current_backbone_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored backbone config as today's builder takes it: without RETIRED_BACKBONE_KEYS, with an old
-    `_target_` replaced (RETIRED_TARGETS) and an old `tokenize_checkpoint` as `activation_checkpoint`."""
-    current = {k: v for k, v in config.items() if k not in (*RETIRED_BACKBONE_KEYS, "tokenize_checkpoint")}
-    if "tokenize_checkpoint" in config:
-        current["activation_checkpoint"] = ["tokenize"] if config["tokenize_checkpoint"] else []
+    """A stored backbone config as today's builder takes it: RETIRED_BACKBONE_KEYS replaced by the knobs they now
+    mean, an old `_target_` replaced (RETIRED_TARGETS)."""
+    current: dict[str, Any] = {}
+    for key, value in config.items():
+        current |= RETIRED_BACKBONE_KEYS[key](value) if key in RETIRED_BACKBONE_KEYS else {key: value}
     if "_target_" in current:
         current["_target_"] = RETIRED_TARGETS.get(current["_target_"], current["_target_"])
     return current
