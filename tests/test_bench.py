@@ -27,9 +27,11 @@ def test_bench_writes_a_row_per_size_path_and_precision(tmp_path):
         (64, 96, "dense"), (64, 96, "budget 0.0001 GB"), (64, 128, "dense"), (64, 128, "budget 0.0001 GB")
     ]
     assert all(r["status"] == "ok" and r["mean_s"] > 0 and r["peak_rss_mib"] >= r["built_rss_mib"] > 0 for r in rows)
+    assert all(r["pairs_per_s"] == pytest.approx(cfg.bench.batch_size / r["mean_s"]) for r in rows)
     assert seconds == rows[0]["mean_s"] and report["machine"]["cpu_cores"] >= 1
     table = (tmp_path / "bench.md").read_text().splitlines()
     assert len(table) == 2 + len(rows) and "| 64x128 | 0.01 | budget 0.0001 GB | 32-true |" in table[-1]
+    assert table[-1].split(" | ")[5] == f"{rows[-1]['pairs_per_s']:.2f}"
     peak, above_built = table[-1].split(" | ")[-3:-1]  # the process's peak RSS, the step's part of it
     assert peak == f"{rows[-1]['peak_rss_mib'] / 1024:.2f} GiB"
     assert above_built == f"{(rows[-1]['peak_rss_mib'] - rows[-1]['built_rss_mib']) / 1024:.2f} GiB"

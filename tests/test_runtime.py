@@ -153,6 +153,6 @@ def test_bench_reports_the_compile_time_of_each_row(tmp_path):
     assert row["status"] == "ok" and row["compile_s"] > 0  # dynamo traced the stages in the first step
     assert report["setup"]["compile"] == "eager (default)" and report["setup"]["matmul_precision"] == "high"
     header, _, line = (tmp_path / "bench.md").read_text().splitlines()
-    assert "| seconds per step | compile s |" in header and line.count("|") == header.count("|")
+    assert "| seconds per step | pairs per second | compile s |" in header and line.count("|") == header.count("|")
     with pytest.raises(ValueError, match="runtime.compile=true needs bench.warmup >= 1"):
         bench.run(config("runtime.compile=true", "bench.warmup=0", f"paths.output_dir={tmp_path}"))

@@ -161,6 +161,7 @@ def measure(cfg: DictConfig) -> dict[str, Any]:
         "status": "ok",
         "mean_s": mean_s,
         "min_s": min(seconds),
+        "pairs_per_s": bench.batch_size / mean_s,  # image pairs through the step per second: the throughput
         "parameters_m": sum(p.numel() for p in net.parameters()) / 1e6,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
     }
@@ -238,13 +239,14 @@ def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """One line per row; a `compile s` column when the rows were compiled (runtime.compile); on CPU, beside the
-    process's peak RSS, the part above the built model (`built_rss_mib`: interpreter, torch, weights), the
-    step's own, which is what the memory paths change."""
+    """One line per row: seconds per step and pairs per second (batch size / seconds); a `compile s` column
+    when the rows were compiled (runtime.compile); on CPU, beside the process's peak RSS, the part above the built
+    model (`built_rss_mib`: interpreter, torch, weights), the step's own, which is what the memory paths change."""
     memory_key, memory_title = memory_measure(rows)
     compiled = any("compile_s" in row for row in rows)
     above_built = memory_key == "peak_rss_mib"
-    titles = ["size", "megapixels", "path", "precision", "seconds per step", *(["compile s"] * compiled)]
+    titles = ["size", "megapixels", "path", "precision", "seconds per step", "pairs per second"]
+    titles += ["compile s"] * compiled
     titles += [memory_title, *(["above the built model"] * above_built), "status"]
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
@@ -254,6 +256,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             row["path"],
             row["precision"],
             f"{row['mean_s']:.3f}" if "mean_s" in row else "-",
+            f"{row['pairs_per_s']:.2f}" if "pairs_per_s" in row else "-",
         ]
         if compiled:
             cells.append(f"{row['compile_s']:.1f}" if "compile_s" in row else "-")
