@@ -2,6 +2,7 @@
 every run gets its own directory, output locations are checked before work starts, bad ckpt_path values end in
 one line before training."""
 
+import logging
 import os
 import pickle
 import subprocess
@@ -80,7 +81,7 @@ def test_last_checkpoint_is_the_final_state_when_validation_got_worse(tmp_path):
     assert best == ["best-step0000002.ckpt"]
 
 
-def test_last_checkpoint_is_written_every_n_steps(tmp_path):
+def test_last_checkpoint_is_written_every_n_steps(tmp_path, caplog):
     steps = []
 
     class Record(L.Callback):
@@ -93,10 +94,15 @@ def test_last_checkpoint_is_written_every_n_steps(tmp_path):
         limit_val_batches=0,
         callbacks=[Record(), LastCheckpoint(tmp_path, every_n_train_steps=3)],
     )
-    trainer.fit(GetsWorse(), train_dataloaders=loader())
+    with caplog.at_level(logging.INFO):
+        trainer.fit(GetsWorse(), train_dataloaders=loader())
     # Record runs before the checkpoint callback within a step: it sees the file of the step before
     assert steps == [3, 3, 3, 6]  # seen at the ends of steps 4, 5, 6 and 7
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7
+    last = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 7 and last["optimizer_states"] and "loops" in last  # the whole state, to resume
+    # Lightning logs "`weights_only` was not set, defaulting to `False`" for a save that does not say what it
+    # saves, which reads as an unsafe load; LastCheckpoint says it saves everything
+    assert "weights_only" not in caplog.text
 
 
 def test_last_checkpoint_is_written_when_max_time_stops_the_run(tmp_path):

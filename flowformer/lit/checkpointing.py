@@ -94,7 +94,7 @@ class LastCheckpoint(Checkpoint):
     def _save(self, trainer: L.Trainer) -> None:
         if trainer.sanity_checking or self._saved_step == trainer.global_step:
             return
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # the whole state: optimiser, schedulers, loops
         self._saved_step = trainer.global_step
         log.debug("wrote %s at step %d", self.path, trainer.global_step)
 
