@@ -138,10 +138,12 @@ def _write(obj: object, path: str | Path) -> None:
         ) from None
 
 
-def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str]:
-    """Any supported file -> (state dict with our keys, source kind)."""
+def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str, Mapping[str, Any] | None]:
+    """Any supported file -> (state dict with our keys, source kind, the backbone config stored with it: our
+    file's `config`, a Lightning .ckpt's `backbone` hyper-parameters (None where its module was given a built
+    network), None for an official .pth, which stores none)."""
     if obj.get("format") == BACKBONE_FORMAT:
-        return dict(obj["state_dict"]), "backbone"
+        return dict(obj["state_dict"]), "backbone", obj["config"]
     if "state_dict" in obj and isinstance(obj["state_dict"], Mapping):  # Lightning .ckpt
         inner = obj["state_dict"]
         state = {
@@ -152,9 +154,9 @@ def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str]:
                 f"{path}: a Lightning checkpoint without `{LIGHTNING_PREFIX}` keys; expected the state of "
                 "FlowModule or MCVAPretrainModule"
             )
-        return state, "lightning"
+        return state, "lightning", obj.get("hyper_parameters", {}).get("backbone")
     if obj and all(isinstance(v, Tensor) for v in obj.values()):
-        return from_official(obj), "official"
+        return from_official(obj), "official", None
     raise ValueError(f"{path}: not an official .pth, a {BACKBONE_FORMAT} file or a Lightning .ckpt")
 
 
@@ -201,7 +203,7 @@ def load_backbone_weights(
 ) -> LoadReport:
     """Load our backbone file, an official `.pth` (with or without `module.`) or a FlowModule/MCVAPretrainModule
     Lightning `.ckpt` into `net`, strictly except for keys starting with one of `skip_prefixes`."""
-    state, kind = _unwrap(read_checkpoint(path), path)
+    state, kind, _ = _unwrap(read_checkpoint(path), path)
     skip = tuple(skip_prefixes)
     skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
     kept = {k: v for k, v in _as_network_dtypes(net, state).items() if not (skip and k.startswith(skip))}
@@ -214,7 +216,7 @@ def load_backbone_weights(
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:
     """Build the official architecture of `variant` (Twins encoders, paper knobs) and load a released checkpoint
     strictly; returns the network in eval mode. `overrides` change backbone knobs (e.g. tokenize_chunk=4096)."""
-    state, _ = _unwrap(read_checkpoint(path), path)
+    state, _, _ = _unwrap(read_checkpoint(path), path)
     with torch.device("meta"):
         net = build_flowformer(variant=variant, **overrides)
     check_compatible(net, state, f"official checkpoint {path} (variant={variant!r})")
@@ -253,12 +255,26 @@ def save_backbone(path: str | Path, net: FlowFormer) -> None:
 
 
 def load_backbone(path: str | Path) -> FlowFormer:
-    """Rebuild a network from one of our backbone files (its stored config) and load it strictly."""
-    obj = read_checkpoint(path)
-    if obj.get("format") != BACKBONE_FORMAT:
-        raise ValueError(f"{path} is not a {BACKBONE_FORMAT} file; use load_official for released .pth files")
+    """Rebuild a network from a file that stores its backbone config, our backbone file or a
+    FlowModule/MCVAPretrainModule Lightning `.ckpt` (its `backbone` hyper-parameters), and load it strictly."""
+    state, kind, config = _unwrap(read_checkpoint(path), path)
+    if kind == "official":
+        raise ValueError(
+            f"{path} is already in the official layout (a released .pth), which stores no backbone config to "
+            "rebuild the network from; use it as it is, or load it with load_official(path, variant=...)"
+        )
+    if config is None:
+        raise ValueError(
+            f"{path}: a Lightning checkpoint without `backbone` hyper-parameters (its module was given a built "
+            "network), so the network cannot be rebuilt from it; load it into a network of its architecture with "
+            f"load_backbone_weights(net, path), or convert it to a {BACKBONE_FORMAT} file first (task=convert "
+            "with its backbone and convert.to_official=false)"
+        )
+    # `_target_` (Lightning hyper-parameters) is build_flowformer, as in every conf/backbone/*.yaml; the ImageNet
+    # Twins weights a run started from are in the state dict, so their file is not read again
+    knobs = {k: v for k, v in current_backbone_config(config).items() if k != "_target_"}
     with torch.device("meta"):
-        net = build_flowformer(**current_backbone_config(obj["config"]))
-    check_compatible(net, obj["state_dict"], f"backbone checkpoint {path}")
-    net.load_state_dict(obj["state_dict"], strict=True, assign=True)
+        net = build_flowformer(**knobs | {"twins_weights": None})
+    check_compatible(net, state, f"{kind} checkpoint {path}")
+    net.load_state_dict(state, strict=True, assign=True)
     return net

@@ -8,7 +8,8 @@ convert.output=things_ours.ckpt` (flowformer/tasks/convert.py).
 
 The first form reads a released FlowFormer / FlowFormer++ `.pth` (with or without `module.`), loads it strictly
 into the official architecture of `--variant` (or the knobs of `--backbone conf/backbone/<name>.yaml`) and writes
-our backbone file. `--to-official` writes a backbone file or Lightning `.ckpt` back in the released layout.
+our backbone file. `--to-official` writes our backbone file or a Lightning `.ckpt` (of task=train or task=pretrain)
+in the released layout, rebuilding the network from the architecture stored in it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         "(default: the paper's)",
     )
     parser.add_argument(
-        "--to-official", action="store_true", help="convert our backbone file to the official layout"
+        "--to-official",
+        action="store_true",
+        help="convert our backbone file or a Lightning .ckpt to the official layout",
     )
     args = parser.parse_args(argv)
     try:
@@ -62,7 +65,8 @@ def _convert(args: argparse.Namespace) -> None:
 
 def convert(src: str | Path, dst: str | Path, *, to_official: bool, knobs: dict) -> str:
     """Official `.pth` -> our backbone file, built with the backbone `knobs` (variant included; default the
-    paper's FlowFormer), or with `to_official` our file -> the official layout. Returns what was written."""
+    paper's FlowFormer), or with `to_official` our file or a Lightning `.ckpt` -> the official layout (the network
+    rebuilt from the architecture stored in the file). Returns what was written."""
     if to_official:
         export_official(load_backbone(src), dst)
         return f"wrote official-layout state dict to {dst}"

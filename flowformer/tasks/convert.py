@@ -1,8 +1,9 @@
-"""task=convert: a released FlowFormer / FlowFormer++ `.pth` -> our backbone file, or back with
-`convert.to_official=true`; the architecture is the `backbone` config group's, as for eval and infer.
+"""task=convert: a released FlowFormer / FlowFormer++ `.pth` -> our backbone file, its architecture the `backbone`
+config group's as for eval and infer; or with `convert.to_official=true` our backbone file or a training run's
+Lightning `.ckpt` -> the released layout, the architecture the one stored in the file.
 
     python run.py task=convert backbone=flowformer convert.input=things.pth convert.output=things_ours.ckpt
-    python run.py task=convert backbone=flowformer_pp convert.input=ours.ckpt convert.output=ff_pp.pth \
+    python run.py task=convert convert.input=<run>/checkpoints/last.ckpt convert.output=ff.pth \
         convert.to_official=true
 
 The same conversion as `python -m flowformer.models.convert` (flowformer/models/convert.py).
