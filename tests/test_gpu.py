@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from compose_helper import compose_tiny_config
-from conftest import build_backbone
-from run_helper import run_py
 
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.tasks.runtime import compile_network, configure_runtime
+
+from helpers.compose import compose_tiny_config
+from helpers.configs import build_backbone
+from helpers.run import run_py
 
 pytestmark = [
     pytest.mark.gpu,

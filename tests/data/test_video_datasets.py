@@ -1,0 +1,89 @@
+"""Pretraining pair datasets: YouTube-VOS all-frames pairing, video files and frame folders, skip loop."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import cv2
+import pytest
+
+from flowformer.data.datasets import DatasetRootError
+from flowformer.data.io import FlowFileError
+from flowformer.data.transforms import ImagePairAugmentor
+from flowformer.data.video_datasets import VideoFolder, YouTubeVOS, pair_indices
+
+from helpers.trees import FRAME_H as H
+from helpers.trees import FRAME_W as W
+from helpers.trees import frames_folder, video_frame
+
+
+def test_pair_indices_official_youtube_rule() -> None:
+    # n = 14 frames: i = 9, 12 (i < n - 1 = 13) -> (0, 9), (9, 0), (3, 12), (12, 3)
+    assert pair_indices(14, frame_gap=9, stride=3, both_directions=True, end=13) == [
+        (0, 9),
+        (9, 0),
+        (3, 12),
+        (12, 3),
+    ]
+    assert pair_indices(4, frame_gap=2, stride=1, both_directions=False) == [(0, 2), (1, 3)]
+    with pytest.raises(ValueError, match="frame_gap"):
+        pair_indices(4, frame_gap=0, stride=1, both_directions=False)
+
+
+def test_youtube_vos_tree(tmp_path: Path) -> None:
+    root = tmp_path / "youtube-vos"
+    frames_folder(root / "train_all_frames/JPEGImages/vid_b", 14)
+    frames_folder(root / "train_all_frames/JPEGImages/vid_a", 10)  # 9 < n - 1 = 9 fails: no pair
+    frames_folder(root / "valid_all_frames/JPEGImages/vid_c", 11)
+    dataset = YouTubeVOS(root=root, splits=["train_all_frames", "valid_all_frames"])
+    assert len(dataset) == 4 + 2
+    item = dataset[1]  # vid_b, (9, 0)
+    assert set(item) == {"img1", "img2", "meta"} and item["img1"].shape == (3, H, W)
+    assert abs(float(item["img1"][0, 0, 0]) - 90) <= 3 and abs(float(item["img2"][0, 0, 0])) <= 3
+    assert item["meta"]["video"] == "train_all_frames/vid_b" and item["meta"]["frame1"] == "00009"
+    with pytest.raises(DatasetRootError, match="test_all_frames") as err:
+        YouTubeVOS(root=root)  # the default lists all three splits
+    assert "data=synthetic_video" in str(err.value) and "JPEGImages/<video>/00000.jpg" in str(err.value)
+
+
+def test_video_folder_videos_and_frame_folders(tmp_path: Path) -> None:
+    root = tmp_path / "videos"
+    frames_folder(root / "scene" / "frames", 4, suffix=".png")
+    writer = cv2.VideoWriter(str(root / "clip.avi"), cv2.VideoWriter_fourcc(*"MJPG"), 10, (W, H))
+    assert writer.isOpened()
+    for j in range(5):
+        writer.write(video_frame(40 * j)[..., ::-1].copy())
+    writer.release()
+
+    dataset = VideoFolder(root=root, frame_gap=2, stride=1, both_directions=False)
+    videos = [pair.video for pair in dataset.pairs]
+    assert videos.count("clip.avi") == 3 and videos.count("scene/frames") == 2
+    video_item = dataset[videos.index("clip.avi") + 1]  # frames (1, 3)
+    assert (
+        abs(float(video_item["img1"][0, 20, 20]) - 40) < 8
+        and abs(float(video_item["img2"][0, 20, 20]) - 120) < 8
+    )
+    assert video_item["meta"]["frame1"] == "1" and video_item["meta"]["frame2"] == "3"
+    folder_item = dataset[videos.index("scene/frames")]
+    assert float(folder_item["img2"][0, 0, 0]) == 20.0
+
+    augmented = VideoFolder(root=root, frame_gap=1, augmentor=ImagePairAugmentor(crop_size=(32, 40)))
+    assert augmented[0]["img1"].shape == (3, 32, 40)
+    with pytest.raises(DatasetRootError, match="data=synthetic_video"):
+        VideoFolder(root=tmp_path / "missing")
+
+
+def test_unreadable_pairs_are_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "frames"
+    frames_folder(root, 3)
+    (root / "00000.jpg").write_bytes(b"not a jpeg")
+    dataset = VideoFolder(root=root, frame_gap=1, both_directions=False, max_skips=3)
+    with caplog.at_level(logging.WARNING):
+        item = dataset[0]  # (0, 1) is unreadable -> (1, 2)
+    assert item["meta"]["frame1"] == "00001" and "skipping pair 0" in caplog.text
+    (root / "00002.jpg").write_bytes(b"broken too")
+    with pytest.raises(FlowFileError, match=r"\.jpg: .*consecutive pairs"):
+        dataset[0]

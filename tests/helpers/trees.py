@@ -1,0 +1,119 @@
+"""Dataset trees in the real formats (.ppm, .flo, .pfm, .png, 16-bit KITTI png, video frames), laid out as the
+datasets are downloaded, with tiny images whose red channel names the frame."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from flowformer.data.io import write_flo, write_kitti_flow
+
+H, W = 24, 32  # flow-dataset images
+FRAME_H, FRAME_W = 40, 48  # video frames
+
+
+def write_image(path: Path, value: int) -> None:
+    """An RGB image whose red channel is ``value`` everywhere (identifies the frame)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rgb = np.zeros((H, W, 3), dtype=np.uint8)
+    rgb[..., 0] = value
+    rgb[..., 1] = np.arange(W, dtype=np.uint8)[None, :]
+    assert cv2.imwrite(str(path), rgb[..., ::-1])
+
+
+def flow_field(value: float) -> np.ndarray:
+    flow = np.full((H, W, 2), value, dtype=np.float32)
+    flow[..., 1] = -value
+    return flow
+
+
+def write_pfm(path: Path, flow: np.ndarray) -> None:
+    """3-channel little-endian PFM, rows stored bottom-to-top (the FlyingThings3D flow format)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = np.concatenate([flow, np.zeros_like(flow[..., :1])], axis=-1)[::-1].astype("<f4")
+    path.write_bytes(f"PF\n{W} {H}\n-1.0\n".encode() + data.tobytes())
+
+
+def red(image: torch.Tensor) -> int:
+    return int(image[0, 0, 0])
+
+
+def sparse_flow(value: float) -> tuple[np.ndarray, np.ndarray]:
+    valid = np.zeros((H, W), dtype=np.float32)
+    valid[::3, ::2] = 1.0
+    return flow_field(value) * valid[..., None], valid
+
+
+def chairs_tree(root: Path, split: list[int], split_in_parent: bool = False) -> Path:
+    data = root / "FlyingChairs_release" / "data"
+    for i in range(len(split)):
+        write_image(data / f"{i + 1:05d}_img1.ppm", 10 * i)
+        write_image(data / f"{i + 1:05d}_img2.ppm", 10 * i + 1)
+        write_flo(data / f"{i + 1:05d}flow_field.flo", flow_field(float(i)))
+    split_dir = data.parent if split_in_parent else data
+    (split_dir / "chairs_split.txt").write_text("".join(f"{s}\n" for s in split))
+    return data
+
+
+def things_tree(root: Path, frames: int = 3) -> Path:
+    for pass_dir, offset in (("frames_cleanpass", 0), ("frames_finalpass", 100)):
+        for seq in ("A/0000", "B/0001"):
+            for j in range(frames):
+                write_image(root / pass_dir / "TRAIN" / seq / "left" / f"{6 + j:04d}.png", offset + j)
+    for seq in ("A/0000", "B/0001"):
+        for j in range(frames):
+            future = flow_field(float(j))
+            future[0, 0] = 1e4  # an invalid marker: |u| >= 1000
+            write_pfm(
+                root
+                / "optical_flow/TRAIN"
+                / seq
+                / "into_future/left"
+                / f"OpticalFlowIntoFuture_{6 + j:04d}_L.pfm",
+                future,
+            )
+            write_pfm(
+                root
+                / "optical_flow/TRAIN"
+                / seq
+                / "into_past/left"
+                / f"OpticalFlowIntoPast_{6 + j:04d}_L.pfm",
+                flow_field(-float(j)),
+            )
+    return root
+
+
+def sintel_tree(root: Path) -> Path:
+    for scene, frames in (("market_2", 3), ("alley_1", 2)):  # created out of order on purpose
+        for j in range(frames):
+            for pass_name, offset in (("clean", 0), ("final", 100)):
+                write_image(root / "training" / pass_name / scene / f"frame_{j + 1:04d}.png", offset + j)
+                write_image(root / "test" / pass_name / scene / f"frame_{j + 1:04d}.png", offset + j)
+            if j < frames - 1:
+                write_flo(root / "training/flow" / scene / f"frame_{j + 1:04d}.flo", flow_field(float(j + 1)))
+    return root
+
+
+def kitti_tree(root: Path, pairs: int = 2) -> Path:
+    for i in range(pairs):
+        for split in ("training", "testing"):
+            write_image(root / split / "image_2" / f"{i:06d}_10.png", 2 * i)
+            write_image(root / split / "image_2" / f"{i:06d}_11.png", 2 * i + 1)
+        write_kitti_flow(root / "training/flow_occ" / f"{i:06d}_10.png", *sparse_flow(1.5 + i))
+    return root
+
+
+def video_frame(value: int) -> np.ndarray:
+    rgb = np.zeros((FRAME_H, FRAME_W, 3), dtype=np.uint8)
+    rgb[..., 0] = value
+    rgb[..., 2] = 200
+    return rgb
+
+
+def frames_folder(folder: Path, count: int, suffix: str = ".jpg") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for j in range(count):
+        assert cv2.imwrite(str(folder / f"{j:05d}{suffix}"), video_frame(10 * j)[..., ::-1])

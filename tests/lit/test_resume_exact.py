@@ -1,0 +1,96 @@
+"""A run killed after a checkpoint and resumed with ckpt_path= equals the run that was never interrupted:
+the same losses step by step and bitwise the same final weights (CPU, num_workers 0), for supervised training
+and MCVA pretraining, resumed mid-epoch and at an epoch's end. (A finished run continued to more steps is not
+the longer run: its OneCycle schedule was built for the shorter one.)"""
+
+import csv
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.configs import REPO_DIR
+from helpers.run import run_py
+
+pytestmark = pytest.mark.slow
+
+# 8 pairs in batches of 2: 4 batches per epoch, so 10 steps cross two epoch boundaries. Pixel noise draws from
+# the global torch stream, which the checkpoint must carry over too.
+TRAIN = (
+    "debug=tiny",
+    "data.train.num_samples=8",
+    "model.add_noise=true",
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=4",
+)
+PRETRAIN = (
+    "experiment=mcva_pretrain",
+    "backbone=tiny",
+    "data=synthetic_video",
+    "data.train.num_samples=8",
+    "trainer=cpu",
+    "data.batch_size=2",
+    "model.query_num=2",
+    "trainer.max_steps=10",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "callbacks.progress_bar=null",
+)
+ENV = {"PYTHONPATH": str(REPO_DIR / "tests")}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(handle) if row["train/loss"]}
+
+
+def last(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.fixture(scope="module", params=["train", "pretrain"])
+def uninterrupted(request, tmp_path_factory):
+    overrides = TRAIN if request.param == "train" else PRETRAIN
+    run_dir = tmp_path_factory.mktemp(f"{request.param}_uninterrupted")
+    run_py(*overrides, f"hydra.run.dir={run_dir}", "callbacks.last_checkpoint.every_n_train_steps=3")
+    return overrides, run_dir
+
+
+@pytest.mark.parametrize(
+    ("every_n", "kill_at"),
+    [
+        (3, 7),  # last.ckpt at step 6, mid-epoch; killed during step 7
+        (4, 5),  # last.ckpt at step 4, the end of epoch 0 (written at that batch's end)
+    ],
+)
+def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path, every_n, kill_at):
+    overrides, reference = uninterrupted
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    kill = ["+callbacks.kill._target_=helpers.faults.KillAtStep", f"+callbacks.kill.step={kill_at}"]
+    result = run_py(
+        *overrides,
+        f"hydra.run.dir={first}",
+        f"callbacks.last_checkpoint.every_n_train_steps={every_n}",
+        *kill,
+        env=ENV,
+        expect_ok=False,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    start = last(first)["global_step"]
+    assert start == kill_at - 1 - (kill_at - 1) % every_n
+
+    run_py(*overrides, f"hydra.run.dir={resumed}", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+
+    expected, got = losses(reference), losses(resumed)
+    assert sorted(got) == [step for step in sorted(expected) if step >= start]
+    assert all(got[step] == expected[step] for step in got), (got, expected)
+    final, reference_final = last(resumed), last(reference)
+    assert final["global_step"] == reference_final["global_step"] == 10
+    # the data position written at the end of training agrees with Lightning's loop: stopping at max_steps
+    # ends the epoch, so a resume would start the next one
+    data_state = next(value for key, value in final.items() if key.endswith("DataModule"))
+    assert data_state == {"epoch": final["epoch"], "batches_done": 0}
+    assert final["state_dict"].keys() == reference_final["state_dict"].keys()
+    for key, value in reference_final["state_dict"].items():
+        assert torch.equal(final["state_dict"][key], value), key

@@ -1,0 +1,323 @@
+"""The tiny network's output contract, stages, batch independence, warm start, bf16 and input validation."""
+
+import pytest
+import torch
+from torch.nn.functional import grid_sample
+
+from flowformer.models import FlowFormer, TokenMask, build_flowformer, layers, sample_cost_window
+
+from helpers.configs import build_backbone
+
+H, W = 64, 96
+
+
+def build(**overrides) -> FlowFormer:
+    """The tiny network with `overrides`, seeded, with GMA switched on."""
+    torch.manual_seed(0)
+    net = build_backbone(**overrides)
+    with torch.no_grad():  # GMA's gamma starts at 0, which would switch global aggregation off in every test
+        net.memory_decoder.update_block.aggregator.gamma.fill_(0.5)
+    return net
+
+
+def images(batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    image1 = torch.rand(batch, 3, H, W, generator=g) * 255
+    image2 = torch.roll(image1, shifts=(1, 2), dims=(2, 3))
+    return image1, image2
+
+
+@pytest.fixture(scope="module")
+def tiny() -> FlowFormer:
+    return build().eval()
+
+
+def test_eval_output_contract(tiny: FlowFormer) -> None:
+    with torch.no_grad():
+        out = tiny(*images(), iters=2)
+    assert set(out) == {"flow", "flow_low"}
+    assert out["flow"].shape == (1, 2, H, W)
+    assert out["flow_low"].shape == (1, 2, H // 8, W // 8)
+    assert torch.isfinite(out["flow"]).all()
+
+
+def test_train_mode_returns_every_iteration_and_backpropagates() -> None:
+    net = build().train()
+    out = net(*images(), iters=3)
+    assert len(out["flow_predictions"]) == 3
+    assert all(f.shape == (1, 2, H, W) for f in out["flow_predictions"])
+    assert torch.equal(out["flow_predictions"][-1], out["flow"])
+    sum(f.abs().mean() for f in out["flow_predictions"]).backward()
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    assert "memory_encoder.cost_perceiver_encoder.latent_tokens" in grads
+    assert "context_encoder.conv1.weight" in grads
+
+
+def test_stages_compose_to_forward(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        feat1, feat2, context = tiny.encode_images(image1, image2)
+        cost_maps = tiny.cost_volume(feat1, feat2)
+        assert cost_maps.shape == (H // 8 * W // 8, 1, H // 8, W // 8) and cost_maps.dtype == torch.float32
+        # row y1*W1+x1 of the cost maps holds <feat1[:, y1, x1], feat2[:, y2, x2]> at (y2, x2)
+        assert torch.allclose(
+            cost_maps[1 * 12 + 5, 0, 3, 7], (feat1[0, :, 1, 5] * feat2[0, :, 3, 7]).sum(), atol=1e-4
+        )
+        memory = tiny.encode_cost(cost_maps, context)
+        assert memory.shape == (H // 8 * W // 8, 4, 32)
+        steps = tiny.decode(memory, cost_maps, context, iters=2)
+        full = tiny(image1, image2, iters=2)
+    assert torch.equal(steps[-1][0], full["flow"]) and torch.equal(steps[-1][1], full["flow_low"])
+
+
+def test_batch_of_two_equals_two_batches_of_one() -> None:
+    """The official FlowFormer pairs image r mod B's context with cost-token row r when B > 1 (its
+    `context.repeat`); ours pairs each image with its own (docs/departures.md)."""
+    net = build(variant="flowformer").eval()
+    a1, a2 = images(seed=1)
+    b1, b2 = images(seed=2)
+    with torch.no_grad():
+        both = net(torch.cat([a1, b1]), torch.cat([a2, b2]), iters=2)["flow"]
+        one = torch.cat([net(a1, a2, iters=2)["flow"], net(b1, b2, iters=2)["flow"]])
+    assert (both - one).abs().max() < 1e-4
+    assert (one[0] - one[1]).abs().max() > 1e-2  # the two pairs really differ
+
+
+def test_warm_start_changes_the_result(tiny: FlowFormer) -> None:
+    with torch.no_grad():
+        cold = tiny(*images(), iters=1)["flow_low"]
+        init = torch.full((1, 2, H // 8, W // 8), 1.5)
+        warm = tiny(*images(), iters=1, flow_init=init)["flow_low"]
+        zero = tiny(*images(), iters=1, flow_init=torch.zeros_like(init))["flow_low"]
+    assert torch.equal(cold, zero)
+    assert (warm - cold).abs().mean() > 0.5  # the 1/8 flow starts from flow_init, not from zero
+    with pytest.raises(ValueError, match="flow_init"):
+        tiny(*images(), iters=1, flow_init=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(ValueError, match="iters must be an integer >= 1"):
+        tiny(*images(), iters=0)
+
+
+@pytest.mark.parametrize("size", [(60, 96), (64, 90)])
+def test_size_not_multiple_of_8_names_the_padding(tiny: FlowFormer, size: tuple[int, int]) -> None:
+    image = torch.zeros(1, 3, *size)
+    with pytest.raises(ValueError, match=r"pad by (4 rows and 0 columns|0 rows and 6 columns)"):
+        tiny(image, image, iters=1)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
+    net = build().eval().to(device)
+    image1, image2 = (image.to(device) for image in images())
+    with torch.no_grad():
+        ref = net(image1, image2, iters=2)["flow"]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            feat1, feat2, _ = net.encode_images(image1, image2)
+            assert feat1.dtype == torch.bfloat16  # the encoders do run in bf16
+            assert net.cost_volume(feat1, feat2).dtype == torch.float32  # fp32 island
+            low = net(image1, image2, iters=2)["flow"]
+    assert low.dtype == torch.float32
+    diff = (low - ref).abs()
+    assert diff.max() < 0.5 and diff.mean() < 0.05, (diff.max(), diff.mean())
+
+
+def test_gru_casts_its_input_once_under_autocast() -> None:
+    """Under bf16 autocast the GRU state is bf16 and its input fp32 (the raw flow): the GRU casts the input
+    once, not each of its fp32 concatenations once per convolution (ten casts a step), with the same numbers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flowformer.models.decoder import SepConvGRU
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCasts.casts += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    gru = SepConvGRU(hidden=8, input_dim=12)
+    h = torch.randn(1, 8, 6, 7).bfloat16()
+    x = torch.randn(1, 12, 6, 7)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        gru(h, x)  # autocast caches the weights' casts
+        with CountCasts():
+            out = gru(h, x)
+        reference = h
+        for convz, convr, convq in ((gru.convz1, gru.convr1, gru.convq1), (gru.convz2, gru.convr2, gru.convq2)):
+            hx = torch.cat([reference, x], dim=1)  # fp32, as RAFT's GRU concatenates
+            z, r = torch.sigmoid(convz(hx)), torch.sigmoid(convr(hx))
+            q = torch.tanh(convq(torch.cat([r * reference, x], dim=1)))
+            reference = (1 - z) * reference + z * q
+    assert CountCasts.casts == 1
+    assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
+
+
+def test_sample_cost_window_is_x_major() -> None:
+    """The official x-major order, channel (dx+r)*(2r+1) + (dy+r); integer centres sample the map exactly."""
+    h1, w1 = 5, 6
+    maps = torch.arange(h1 * w1 * h1 * w1, dtype=torch.float32).view(h1 * w1, 1, h1, w1)
+    coords = torch.zeros(1, 2, h1, w1)
+    coords[:, 0], coords[:, 1] = 2.0, 3.0  # every source pixel looks at target (x=2, y=3)
+    crop = sample_cost_window(maps, coords, radius=1)
+    assert crop.shape == (1, 9, h1, w1)
+    src = 7  # source pixel (y1=1, x1=1)
+    for dx in (-1, 0, 1):
+        for dy in (-1, 0, 1):
+            channel = (dx + 1) * 3 + (dy + 1)
+            assert crop[0, channel, 1, 1] == maps[src, 0, 3 + dy, 2 + dx]
+    far = sample_cost_window(maps, torch.full((1, 2, h1, w1), 50.0), radius=1)
+    assert torch.equal(far, torch.zeros_like(far))  # zero padding outside the map
+
+
+def test_token_mask_hides_removed_patches_from_the_cost_encoder(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        feat1, feat2, context = tiny.encode_images(image1, image2)
+        cost_maps = tiny.cost_volume(feat1, feat2)
+        n, tokens = cost_maps.shape[0], 2  # 8x12 maps pad to 8x16 -> 1x2 patch tokens
+        noise = torch.rand(n, tokens, generator=torch.Generator().manual_seed(0))
+        mask = TokenMask.from_noise(noise, mask_ratio=0.5)
+        masked = tiny.encode_cost(cost_maps, context, token_mask=mask)
+        # changing the cost values inside removed patches must not change the memory
+        removed = (
+            mask.removed.view(n, 1, 1, 2).repeat_interleave(8, dim=2).repeat_interleave(8, dim=3)[..., :12]
+        )
+        noisy = cost_maps + 100.0 * removed * torch.randn_like(cost_maps)
+        assert torch.allclose(tiny.encode_cost(noisy, context, token_mask=mask), masked, atol=1e-4)
+        assert not torch.allclose(tiny.encode_cost(cost_maps, context), masked, atol=1e-3)
+        with pytest.raises(ValueError, match="TokenMask.removed"):
+            tiny.encode_cost(cost_maps, context, token_mask=TokenMask.from_noise(torch.rand(n, 5), 0.4))
+
+
+def test_query_cost_memory_and_pretrain_head_shapes(tiny: FlowFormer) -> None:
+    image1, image2 = images()
+    with torch.no_grad():
+        feat1, feat2, context = tiny.encode_images(image1, image2)
+        cost_maps = tiny.cost_volume(feat1, feat2)
+        memory = tiny.encode_cost(cost_maps, context)
+        coords = torch.rand(1, 2, H // 8, W // 8) * 4 + 2
+        cost_global = tiny.query_cost_memory(memory, cost_maps, coords)
+        assert cost_global.shape == (1, 32, H // 8, W // 8)
+        assert tiny.pretrain_head(cost_global).shape == (1, 225, H // 8, W // 8)
+    assert [type(m).__name__ for m in tiny.feature_encoder_modules()] == ["BasicEncoder"]
+    assert tiny.context_encoder_modules() == [tiny.context_encoder]
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_recon_head_depth(depth: int) -> None:
+    head = build(recon_head_depth=depth, recon_size=7).pretrain_head
+    convs = [m for m in head if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == depth and convs[-1].out_channels == 49
+    assert sum(isinstance(m, torch.nn.GELU) for m in head) == depth - 1
+
+
+@pytest.mark.parametrize(("query", "depends_on_crop"), [("pe", False), ("crop_and_pe", True)])
+def test_decoder_query_source(query: str, depends_on_crop: bool) -> None:
+    """decoder_query="pe" (MCVA ablation): the attention read-out ignores the crop feature."""
+    net = build(decoder_query=query).eval()
+    attend = net.memory_decoder.decoder_layer.cross_attend
+    memory = torch.randn(H // 8 * W // 8, 4, 32)
+    kv = net.memory_decoder.memory_kv(memory)
+    coords = torch.rand(1, 2, H // 8, W // 8) * 4 + 2
+    seen = []
+    handle = attend.proj.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
+    with torch.no_grad():
+        for _ in range(2):
+            attend(torch.randn(H // 8 * W // 8, 1, 32), coords, *kv)
+    handle.remove()
+    assert torch.allclose(seen[0], seen[1]) != depends_on_crop
+
+
+def test_decoder_query_rejects_unknown_source() -> None:
+    with pytest.raises(ValueError, match="decoder_query"):
+        build(decoder_query="flow")
+
+
+def test_bad_settings_raise_clear_errors() -> None:
+    with pytest.raises(ValueError, match="variant"):
+        build_flowformer(variant="raft")
+    with pytest.raises(ValueError, match="feature_dim must be 256"):
+        build_flowformer(image_encoder="twins", feature_dim=64)
+    with pytest.raises(FileNotFoundError, match="twins_weights"):
+        build_flowformer(image_encoder="twins", twins_weights="/nonexistent/twins.pth")
+    with pytest.raises(ValueError, match="cost_encoder must be one of"):
+        build_flowformer(cost_encoder="convnext")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_chunked_and_checkpointed_tokenization_is_equivalent(masked: bool) -> None:
+    """Memory options: chunking over source pixels and activation checkpointing change no number."""
+    plain = build().train()
+    chunked = build(tokenize_chunk=7, activation_checkpoint=["tokenize"]).train()
+    chunked.load_state_dict(plain.state_dict())
+    image1, image2 = images()
+    results = []
+    for net in (plain, chunked):
+        feat1, feat2, context = net.encode_images(image1, image2)
+        cost_maps = net.cost_volume(feat1, feat2)
+        mask = None
+        if masked:
+            mask = TokenMask.from_noise(
+                torch.rand(cost_maps.shape[0], 2, generator=torch.Generator().manual_seed(3)), 0.5
+            )
+        memory = net.encode_cost(cost_maps, context, token_mask=mask)
+        memory.square().mean().backward()
+        results.append(
+            (memory.detach(), net.memory_encoder.cost_perceiver_encoder.patch_embed.proj[0].weight.grad)
+        )
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="tokenize_chunk"):
+        build(tokenize_chunk=0)
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"cost_heads": 2}, {"agt_depth": 2, "num_latent_tokens": 2}, {"context_proj_dim": 0}]
+)
+def test_swept_knobs_build_and_run(knobs: dict) -> None:
+    net = build(**knobs).eval()
+    with torch.no_grad():
+        feat1, feat2, context = net.encode_images(*images())
+        cost_maps = net.cost_volume(feat1, feat2)
+        assert cost_maps.shape[1] == knobs.get("cost_heads", 1)
+        memory = net.encode_cost(cost_maps, context)
+        assert memory.shape[1] == knobs.get("num_latent_tokens", 4)
+        assert net(*images(), iters=1)["flow"].shape == (1, 2, H, W)
+
+
+def test_cost_window_sampling_in_chunks_equals_one_call(monkeypatch) -> None:
+    """Above GRID_SAMPLE_MAX_BATCH cost maps (cuDNN's limit) the window is sampled in chunks, same numbers."""
+    torch.manual_seed(0)
+    maps = torch.randn(2 * 5 * 6, 1, 5, 6)  # B=2, H1=5, W1=6
+    coords = torch.rand(2, 2, 5, 6) * 6 - 0.5
+    whole = sample_cost_window(maps, coords, radius=2)
+    monkeypatch.setattr(layers, "GRID_SAMPLE_MAX_BATCH", 7)  # 60 maps -> 9 chunks, the last one short
+    calls = []
+    monkeypatch.setattr(layers.F, "grid_sample", lambda *a, **k: calls.append(a[0].shape[0]) or grid_sample(*a, **k))
+    chunked = sample_cost_window(maps, coords, radius=2)
+    assert calls == [7] * 8 + [4]
+    assert torch.equal(chunked, whole)
+
+
+def test_decoder_dim_scales_the_recurrent_decoder_and_keeps_its_keys() -> None:
+    official = build(decoder_dim=128).memory_decoder
+    small = build(decoder_dim=32).memory_decoder
+    block = official.update_block
+    # the official GMA update block's widths (GRU state 128, motion encoder 256/192/128/64/126, heads 256)
+    widths = [block.encoder.convc1.out_channels, block.encoder.convc2.out_channels, block.encoder.convf1.out_channels,
+              block.encoder.convf2.out_channels, block.encoder.conv.out_channels, block.flow_head.conv1.out_channels,
+              block.gru.convz1.out_channels, block.mask[0].out_channels, official.proj.out_channels]
+    assert widths == [256, 192, 128, 64, 126, 256, 128, 256, 256]
+    assert small.update_block.gru.convz1.out_channels == 32 and small.proj.out_channels == 64
+    assert official.state_dict().keys() == small.state_dict().keys()
+    net = build(decoder_dim=32).eval()
+    with torch.no_grad():
+        assert net(*images(), iters=2)["flow"].shape == (1, 2, H, W)

@@ -1,0 +1,103 @@
+"""task=bench on CPU: a row per size x memory path x precision, each in its own process, written as a table, a
+JSON report and a plot; the training steps it times really train."""
+
+import json
+
+import pytest
+import torch
+
+from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
+from flowformer.tasks import bench
+
+from helpers.compose import compose_tiny_config
+
+
+def config(*overrides: str):
+    return compose_tiny_config("bench.device=cpu", *overrides)
+
+
+def test_bench_writes_a_row_per_size_path_and_precision(tmp_path):
+    cfg = config(
+        "bench.sizes=[[64,96],[64,128]]", "bench.memory_budgets_gb=[null,0.0001]", "bench.iters=2",
+        "bench.repeats=1", "bench.warmup=0", f"paths.output_dir={tmp_path}",
+    )
+    seconds = bench.run(cfg)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = report["rows"]
+    assert [(r["height"], r["width"], r["path"]) for r in rows] == [
+        (64, 96, "dense"), (64, 96, "budget 0.0001 GB"), (64, 128, "dense"), (64, 128, "budget 0.0001 GB")
+    ]
+    assert all(r["status"] == "ok" and r["mean_s"] > 0 and r["peak_rss_mib"] >= r["built_rss_mib"] > 0 for r in rows)
+    assert all(r["pairs_per_s"] == pytest.approx(cfg.bench.batch_size / r["mean_s"]) for r in rows)
+    assert seconds == rows[0]["mean_s"] and report["machine"]["cpu_cores"] >= 1
+    table = (tmp_path / "bench.md").read_text().splitlines()
+    assert len(table) == 2 + len(rows) and "| 64x128 | 0.01 | budget 0.0001 GB | 32-true |" in table[-1]
+    assert table[-1].split(" | ")[5] == f"{rows[-1]['pairs_per_s']:.2f}"
+    peak, above_built = table[-1].split(" | ")[-3:-1]  # the process's peak RSS, the step's part of it
+    assert peak == f"{rows[-1]['peak_rss_mib'] / 1024:.2f} GiB"
+    assert above_built == f"{(rows[-1]['peak_rss_mib'] - rows[-1]['built_rss_mib']) / 1024:.2f} GiB"
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_training_rows_for_each_set_of_recomputed_stages(tmp_path):
+    cfg = config(
+        "bench.mode=train", "bench.sizes=[[64,96]]", "bench.iters=1", "bench.repeats=1", "bench.warmup=0",
+        "bench.activation_checkpoints=[[],[decoder,cost_layers]]", f"paths.output_dir={tmp_path}",
+    )
+    bench.run(cfg)
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["path"], r["activation_checkpoint"], r["status"]) for r in rows] == [
+        ("dense", [], "ok"), ("dense, recomputing decoder+cost_layers", ["decoder", "cost_layers"], "ok")
+    ]
+    assert "| 64x96 | 0.01 | dense, recomputing decoder+cost_layers | 32-true |" in (tmp_path / "bench.md").read_text()
+    assert bench.path_label(0.5, list(ACTIVATION_CHECKPOINT_STAGES)) == "budget 0.5 GB, recomputing all stages"
+    # each row's process builds the backbone with the row's stages
+    row = bench.row_config(cfg, [64, 96], None, "32-true", ["decoder"])
+    assert row.backbone.activation_checkpoint == ["decoder"] and row.model.backbone.activation_checkpoint == ["decoder"]
+    assert list(bench.row_config(cfg, [64, 96], None, "32-true").backbone.activation_checkpoint) == []
+
+
+def test_a_row_that_does_not_finish_is_recorded_and_the_benchmark_goes_on(tmp_path):
+    cfg = config("bench.sizes=[[64,96]]", "bench.timeout_s=0.01", f"paths.output_dir={tmp_path}")
+    assert torch.isnan(torch.tensor(bench.run(cfg)))
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert row["status"] == "stopped after bench.timeout_s=0.01" and "mean_s" not in row
+    assert "| - | - | - | stopped after" in (tmp_path / "bench.md").read_text()
+
+
+def test_a_row_that_fails_reports_its_error_and_the_next_row_runs(tmp_path):
+    cfg = config("bench.sizes=[[8,16],[64,96]]", "bench.iters=1", "bench.repeats=1", "bench.warmup=0",
+                 f"paths.output_dir={tmp_path}")
+    bench.run(cfg)
+    failed, done = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert failed["status"] == "failed" and "at least 16x16 pixels" in failed["error"] and done["status"] == "ok"
+    assert "| failed: ValueError: " in (tmp_path / "bench.md").read_text()
+
+
+def test_row_config_sets_the_memory_path_of_the_backbone_and_of_the_model():
+    row = bench.row_config(config("model=mcva"), [64, 96], 2.0, "bf16-mixed")
+    assert (row.bench.height, row.bench.width, row.bench.precision) == (64, 96, "bf16-mixed")
+    assert row.backbone.memory_budget_gb == 2.0 and row.model.backbone.memory_budget_gb == 2.0
+
+
+@pytest.mark.parametrize(
+    ("mode", "extra"), [("train", []), ("pretrain", ["model=mcva", "model.query_num=2"])]
+)
+def test_bench_training_modes_step_the_weights(mode, extra):
+    cfg = bench.row_config(config(*extra, f"bench.mode={mode}", "bench.iters=2"), [64, 96], None, "32-true")
+    images = [torch.rand(2, 3, 64, 96) * 255 for _ in range(2)]
+    net, step = bench.build_step(cfg, torch.device("cpu"), *images)
+    trainable = {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad}
+    step()
+    changed = {n for n, p in net.named_parameters() if n in trainable and not torch.equal(p, trainable[n])}
+    assert changed and all(net.get_parameter(n).grad is not None for n in changed)
+    # MCVA keeps its image/context encoders frozen; a supervised step trains them
+    assert any(n.startswith("context_encoder.") for n in changed) == (mode == "train")
+
+
+def test_bench_rejects_pretrain_without_mcva_and_bad_sizes(tmp_path):
+    cfg = bench.row_config(config("bench.mode=pretrain"), [64, 96], None, "32-true")
+    with pytest.raises(ValueError, match="model=mcva"):
+        bench.build_step(cfg, torch.device("cpu"), torch.zeros(1, 3, 64, 96), torch.zeros(1, 3, 64, 96))
+    with pytest.raises(ValueError, match=r"bench.sizes: .* multiples of 8; got \[64, 90\]"):
+        bench.run(config("bench.sizes=[[64,90]]", f"paths.output_dir={tmp_path}"))

@@ -1,0 +1,29 @@
+"""trainer=ddp on CPU: Lightning launches two gloo processes itself; training and checkpointing work."""
+
+import torch
+
+from helpers.run import run_py
+
+
+def test_two_process_ddp_on_cpu(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_py(
+        "debug=tiny",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "data.batch_size=1",
+        f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=300,
+        expect_ok=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "MEMBER: 2/2" in output  # both ranks joined the process group
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 3
+    assert "val/synthetic/epe" in (run_dir / "csv" / "metrics.csv").read_text()

@@ -1,0 +1,113 @@
+"""Errors through run.py: one line, printed once, naming the file; corrupt data read by DataLoader workers
+too (training, evaluation and pretraining); FLOWFORMER_TRACEBACK=1 shows the traceback also for errors raised while Hydra builds objects; a run that
+fails before it starts leaves no run directory behind."""
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from helpers.run import run_py
+from helpers.trees import H, W, kitti_tree
+
+pytestmark = pytest.mark.slow
+
+def corrupt_kitti_tree(root: Path) -> Path:
+    """Two KITTI-2015 pairs whose flow PNGs are 8-bit RGB (a common download mistake)."""
+    kitti_tree(root)
+    for flow_path in (root / "training" / "flow_occ").glob("*.png"):
+        cv2.imwrite(str(flow_path), np.zeros((H, W, 3), dtype=np.uint8))
+    return root
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "FlowFileError" in line or line.startswith("error")]
+
+
+@pytest.mark.parametrize("task", ["train", "eval"])
+def test_corrupt_flow_read_by_workers_is_one_line_naming_the_file(tmp_path, task):
+    corrupt_kitti_tree(tmp_path / "KITTI")
+    common = ["backbone=tiny", f"paths.data_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]
+    if task == "train":
+        overrides = [
+            "data=kitti",
+            "trainer=cpu",
+            "data.num_workers=2",
+            "data.batch_size=1",
+            "data.train.augmentor=null",
+            "trainer.max_steps=1",
+            "model.train_iters=1",
+        ]
+    else:
+        overrides = ["task=eval", "eval.sets=[kitti]", "eval.num_workers=2", "eval.device=cpu"]
+    result = run_py(*common, *overrides, expect_ok=False)
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    lines = error_lines(output)
+    assert len(lines) == 1, output[-3000:]
+    assert "flow_occ/00000" in lines[0] and "expected a 3-channel 16-bit KITTI flow PNG" in lines[0]
+    assert "Traceback" not in output and "DataLoader worker" not in output
+
+
+def test_unreadable_pretraining_frames_read_by_workers_are_one_line_naming_a_file(tmp_path):
+    clip = tmp_path / "videos" / "clip"
+    clip.mkdir(parents=True)
+    for i in range(4):
+        (clip / f"{i:05d}.png").write_bytes(b"not a png")
+    result = run_py(
+        "task=pretrain",
+        "model=mcva",
+        "backbone=tiny",
+        "trainer=cpu",
+        "data=video_folder",
+        f"data.train.root={tmp_path / 'videos'}",
+        "data.train.frame_gap=1",
+        "data.train.stride=1",
+        "data.train.augmentor=null",
+        "+data.train.max_skips=2",
+        "data.num_workers=2",
+        "data.batch_size=1",
+        "trainer.max_steps=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        expect_ok=False,
+    )
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error")]
+    assert len(lines) == 1, output[-3000:]
+    assert "clip/0000" in lines[0] and "consecutive pairs" in lines[0]
+    assert "Traceback" not in output and "DataLoader worker" not in output
+
+
+def test_missing_root_is_printed_once_and_leaves_no_run_directory(tmp_path):
+    result = run_py(
+        "data=kitti",
+        "backbone=tiny",
+        "trainer=cpu",
+        f"paths.data_dir={tmp_path}",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        expect_ok=False,
+    )
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert output.count("the dataset root does not exist") == 1, output[-3000:]
+    assert not list((tmp_path / "logs").rglob("run.log"))
+
+
+def test_flowformer_traceback_shows_errors_raised_while_hydra_instantiates(tmp_path):
+    result = run_py(
+        "data=kitti",
+        "backbone=tiny",
+        "trainer=cpu",
+        f"paths.data_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"FLOWFORMER_TRACEBACK": "1"},
+        expect_ok=False,
+    )
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "DatasetRootError" in result.stderr and "instantiate" in result.stderr  # the whole chain
+    stderr = result.stderr
+    assert stderr.count("error (DatasetRootError)") == 1
+    assert stderr.index("Traceback") < stderr.index("error (DatasetRootError)")  # the message comes last

@@ -1,0 +1,178 @@
+"""task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output) on CPU, the infer and bench
+config groups, and the device / precision / network helpers the tasks share (task=bench: tests/tasks/test_bench.py)."""
+
+from pathlib import Path
+
+import cv2
+import hydra
+import numpy as np
+import pytest
+import torch
+
+from flowformer.data.io import read_flo, read_kitti_flow
+from flowformer.models import save_backbone
+from flowformer.models.checkpoint import CheckpointMismatchError, export_official, load_backbone
+from flowformer.tasks import infer, run_task
+from flowformer.tasks.runtime import autocast_context, available_memory_gb, load_network
+
+from helpers.compose import compose_run_config
+from helpers.compose import compose_tiny_config as config
+
+CPU = torch.device("cpu")
+HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
+    save_backbone(path, hydra.utils.instantiate(config().backbone))
+    return path
+
+
+def frames(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (HEIGHT, WIDTH + 2 * count, 3), dtype=np.uint8)
+    return [np.ascontiguousarray(base[:, 2 * i : 2 * i + WIDTH]) for i in range(count)]
+
+
+def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint):
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(frames(3)):
+        cv2.imwrite(str(folder / f"f{i:02d}.png"), frame)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=2", "infer.device=cpu"))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "f00.flo", "f00_flow.png", "f01.flo", "f01_flow.png", "flow.mp4"
+    ]
+    assert read_flo(out / "f00.flo").shape == (HEIGHT, WIDTH, 2)
+    assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
+
+
+def write_video(path: Path, count: int) -> Path:
+    """A Motion-JPEG .avi of `count` frames of `frames`."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
+    for frame in frames(count):
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def test_infer_video_writes_kitti_pngs(tmp_path, checkpoint):
+    video = write_video(tmp_path / "clip.avi", 3)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=2", "infer.device=cpu", "infer.format=kitti", "infer.save_png=false"))
+    assert sorted(p.name for p in out.iterdir()) == ["flow.mp4", "frame_000000.png", "frame_000001.png"]
+    flow, valid = read_kitti_flow(out / "frame_000000.png")
+    assert flow.shape == (HEIGHT, WIDTH, 2) and valid.all()
+
+
+def test_video_warm_start_changes_the_flow_and_the_flow_video_opens(tmp_path, checkpoint):
+    video = write_video(tmp_path / "clip.avi", 4)
+    flows = {}
+    for warm in ("false", "true"):
+        out = tmp_path / f"warm_{warm}"
+        infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                         "infer.iters=2", "infer.device=cpu", f"infer.warm_start={warm}", "infer.save_png=false"))
+        flows[warm] = [read_flo(out / f"frame_{i:06d}.flo") for i in range(3)]
+        capture = cv2.VideoCapture(str(out / "flow.mp4"))
+        assert capture.isOpened() and int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
+        ok, picture = capture.read()
+        assert ok and picture.shape == (HEIGHT, WIDTH, 3)
+        capture.release()
+    # the first pair has no predecessor; the later ones start from the projected previous flow
+    np.testing.assert_array_equal(flows["true"][0], flows["false"][0])
+    assert not np.allclose(flows["true"][1], flows["false"][1])
+
+
+def test_forward_project_moves_flow_to_where_it_points():
+    flow = torch.zeros(1, 2, 6, 8)
+    flow[0, 0, 2, 3] = 2.0  # pixel (x=3, y=2) moves 2 px right
+    projected = infer.forward_project(flow)
+    assert projected[0, 0, 2, 5] > 0  # its flow now sits at (x=5, y=2)
+    assert projected[0, 0, 2, 3] == 0  # where it came from is left empty and filled from zero-flow neighbours
+    uniform = torch.ones(1, 2, 6, 8) * torch.tensor([3.0, 0.0]).view(1, 2, 1, 1)
+    # everything shifts right: the first 3 columns are filled from their neighbours with the same flow
+    torch.testing.assert_close(infer.forward_project(uniform), uniform)
+
+
+def test_infer_refuses_missing_input(tmp_path, checkpoint):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        infer.run(config(f"infer.input={tmp_path / 'nope'}", f"infer.checkpoint={checkpoint}"))
+
+
+def test_unreadable_image_is_one_clear_message(tmp_path, checkpoint, capsys):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    cfg = config("task=infer", f"infer.input=[{broken},{broken}]", f"infer.checkpoint={checkpoint}",
+                 "infer.device=cpu", f"infer.output_dir={tmp_path / 'out'}")
+    with pytest.raises(SystemExit) as exit_info:
+        run_task(cfg)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "error (FlowFileError)" in err and str(broken) in err
+
+
+def test_infer_and_bench_settings_are_config_groups():
+    cfg = compose_run_config(["task=infer", "infer.input=[a.png,b.png]", "infer.checkpoint=c.pt"])
+    assert cfg.hydra.runtime.choices.infer == "default" and cfg.hydra.runtime.choices.bench == "default"
+    assert list(cfg.infer.input) == ["a.png", "b.png"] and cfg.infer.checkpoint == "c.pt"
+    settings = (cfg.infer.output_dir, cfg.infer.iters, cfg.infer.format, cfg.infer.pad_mode, cfg.infer.device)
+    assert settings == ("/out/flow", 12, "flo", "sintel", "auto")
+    cfg = compose_run_config(["task=bench", "bench.sizes=[[432,960]]"])
+    assert (cfg.bench.mode, cfg.bench.sizes, cfg.bench.iters) == ("forward", [[432, 960]], 12)
+    assert cfg.bench.precisions == ["32-true"] and cfg.bench.memory_budgets_gb == [None]  # the backbone's: dense
+
+
+def test_infer_refuses_a_null_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="infer.checkpoint is null"):
+        infer.run(config(f"infer.input={tmp_path}", "infer.checkpoint=null"))
+
+
+def test_load_network_loads_the_checkpoint_strictly_in_eval_mode(checkpoint):
+    net = load_network(config().backbone, str(checkpoint), CPU)
+    saved = load_backbone(checkpoint).state_dict()
+    assert not net.training and all(torch.equal(value, saved[key]) for key, value in net.state_dict().items())
+    assert load_network(config().backbone, None, CPU).state_dict().keys() == saved.keys()  # random weights
+    with pytest.raises(CheckpointMismatchError):
+        load_network(config("backbone.agt_depth=2").backbone, str(checkpoint), CPU)
+
+
+def test_autocast_context_follows_the_precision_and_names_the_setting():
+    with autocast_context(CPU, "bf16-mixed", "bench.precision"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with autocast_context(CPU, "32-true", "bench.precision"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"eval.precision='fp8': expected one of 32-true, bf16-mixed, 16-mixed"):
+        autocast_context(CPU, "fp8", "eval.precision")
+
+
+def test_infer_bounds_memory_by_default(monkeypatch):
+    assert available_memory_gb(CPU) > 0
+    monkeypatch.setattr(infer, "available_memory_gb", lambda device: 0.002)
+    backbone = infer.memory_budget(config().backbone, CPU)  # tiny.yaml: memory_budget_gb null
+    assert backbone.memory_budget_gb == 0.001  # half of what is free
+    pair_at_one_eighth = (1, 32, 32)  # one 256x256 pair
+    assert not load_network(backbone, None, CPU).memory_plan(*pair_at_one_eighth).dense
+    assert load_network(config().backbone, None, CPU).memory_plan(*pair_at_one_eighth).dense  # null = dense
+    chosen = config("backbone.memory_budget_gb=3").backbone
+    assert infer.memory_budget(chosen, CPU).memory_budget_gb == 3
+
+
+def test_convert_is_a_task_like_the_others(tmp_path):
+    torch.manual_seed(0)
+    net = hydra.utils.instantiate(config("backbone.variant=flowformer").backbone)
+    official = export_official(net, tmp_path / "released.pth")
+    ours, back = tmp_path / "ours.ckpt", tmp_path / "back.pth"
+    run_task(config("task=convert", "backbone.variant=flowformer", f"convert.input={tmp_path / 'released.pth'}",
+                    f"convert.output={ours}", f"paths.output_dir={tmp_path / 'run1'}"))
+    converted = load_backbone(ours)
+    assert converted.variant == "flowformer"
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in converted.state_dict().items())
+    run_task(config("task=convert", f"convert.input={ours}", f"convert.output={back}", "convert.to_official=true",
+                    f"paths.output_dir={tmp_path / 'run2'}"))
+    released_again = torch.load(back, weights_only=True)
+    assert released_again.keys() == official.keys()
+    assert all(torch.equal(released_again[k], official[k]) for k in official)

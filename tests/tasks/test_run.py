@@ -1,0 +1,115 @@
+"""run.py end to end in subprocesses (tiny backbone, small synthetic data, CPU): run records, checkpoints,
+stage chaining, resume with its wandb run (offline), multirun sweeps and clean errors."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+
+from flowformer.tasks.runtime import build_callbacks
+
+from helpers.compose import compose_run_config
+from helpers.run import run_py
+
+
+def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_py("debug=tiny", "logger=many", "name=pytest", f"hydra.run.dir={first}", "tags=[unit]")
+
+    # the run record: resolved config, git SHA and package versions
+    info = json.loads((first / "run_info.json").read_text())
+    assert len(info["git"]["sha"]) == 40 and torch.__version__.startswith(info["packages"]["torch"])
+    assert "_target_: flowformer.models.build_flowformer" in (first / "config_resolved.yaml").read_text()
+    assert (first / "csv" / "metrics.csv").is_file()
+
+    # last + best checkpoints; plain hyperparameters, so weights_only loading works
+    checkpoints = sorted(p.name for p in (first / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in checkpoints and any(name.startswith("best-") for name in checkpoints)
+    last = torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2 and last["hyper_parameters"]["backbone"]["agt_depth"] == 1
+
+    # the offline wandb run id is stored beside the checkpoints ...
+    run_id = (first / "checkpoints" / "wandb_run_id.txt").read_text().strip()
+    assert list((first / "wandb").glob(f"offline-run-*-{run_id}"))
+
+    # ... and resuming from that checkpoint continues the step count and the same wandb run; the stage's
+    # initialisation is not read again (the checkpoint holds the weights), so a moved init file does not matter
+    run_py(
+        "debug=tiny",
+        "logger=wandb",
+        f"hydra.run.dir={second}",
+        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        f"model.init_from={tmp_path / 'moved_away.ckpt'}",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+    )
+    assert "model.init_from is not loaded" in (second / "run.log").read_text()
+    resumed = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 4
+    assert (second / "checkpoints" / "wandb_run_id.txt").read_text().strip() == run_id
+    assert list((second / "wandb").glob(f"offline-run-*-{run_id}"))
+
+    # a finished stage initialises the next one through config ...
+    third = tmp_path / "third"
+    result = run_py("debug=tiny", f"hydra.run.dir={third}", f"model.init_from={first / 'checkpoints' / 'last.ckpt'}")
+    assert "initialised the backbone from" in (third / "run.log").read_text()
+    # ... and a checkpoint that does not fit the backbone is refused with the mismatching keys
+    result = run_py(
+        "debug=tiny",
+        f"hydra.run.dir={tmp_path / 'fourth'}",
+        f"model.init_from={first / 'checkpoints' / 'last.ckpt'}",
+        "backbone.agt_depth=2",
+        expect_ok=False,
+    )
+    assert result.returncode == 1
+    assert "error (CheckpointMismatchError)" in result.stderr and "Traceback" not in result.stderr
+    assert "layers.1" in result.stderr or "missing" in result.stderr.lower()
+
+
+def test_multirun_sweep_gives_each_job_its_directory(tmp_path):
+    run_py(
+        "sweep=agt_depth",
+        "debug=tiny",
+        "trainer.max_steps=1",
+        "trainer.val_check_interval=1",
+        "backbone.agt_depth=1,2",  # the command line narrows the sweep's grid
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(jobs) == 2
+    for depth, job in zip((1, 2), jobs, strict=True):
+        assert job.startswith(f"{depth - 1}_backbone.agt_depth={depth},")  # <job number>_<overrides>
+        assert (tmp_path / job / "checkpoints" / "last.ckpt").is_file()
+        assert f"agt_depth: {depth}" in (tmp_path / job / "config_resolved.yaml").read_text()
+
+
+def test_missing_dataset_root_is_one_clear_message(tmp_path):
+    result = run_py(
+        "data=chairs",
+        "backbone=tiny",
+        "trainer=cpu",
+        f"paths.data_dir={tmp_path / 'nowhere'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        expect_ok=False,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert str(tmp_path / "nowhere") in result.stderr
+
+
+@pytest.mark.parametrize("task", ["nonsense"])
+def test_unknown_task_is_refused(task, tmp_path):
+    result = run_py(f"task={task}", f"hydra.run.dir={tmp_path}", expect_ok=False)
+    assert result.returncode != 0 and "task='nonsense' is unknown" in result.stderr
+
+
+@pytest.mark.parametrize("bar", [True, False])
+def test_progress_bar_switch_drops_the_rich_bar(bar):
+    """trainer.enable_progress_bar=false alone works: Lightning refuses a RichProgressBar with the bar off."""
+    cfg = compose_run_config([f"trainer.enable_progress_bar={bar}"])
+    callbacks = build_callbacks(cfg)
+    assert any(isinstance(c, RichProgressBar) for c in callbacks) == bar
+    assert any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    L.Trainer(enable_progress_bar=bar, callbacks=callbacks, logger=False)  # refused before the fix

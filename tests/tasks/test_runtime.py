@@ -1,0 +1,159 @@
+"""The `runtime` settings of every task that runs the network: `runtime.matmul_precision` (TF32 on a GPU, CPU
+numbers unchanged), `runtime.cpu_mmap_threshold_mb` (freed CPU tensors go back to the OS) and `runtime.compile` (torch.compile of the network's stages in train, eval and bench, with
+plain checkpoint keys and the compile time in bench's rows). Compiling uses a cheap backend here (inductor takes
+minutes on 2 CPU cores); inductor on a GPU is in tests/test_gpu.py."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch._dynamo import lookup_backend, register_backend
+
+from flowformer.tasks import bench, run_task
+from flowformer.tasks.runtime import compile_network, configure_runtime
+from flowformer.tasks.train import fit
+
+from helpers.compose import compose_tiny_config as config
+from helpers.configs import build_backbone
+
+COMPILED_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@register_backend
+def recording_aot_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """aot_eager (AOT autograd, no code generation), recording every graph dynamo hands it."""
+    COMPILED_GRAPHS.append(graph)
+    return lookup_backend("aot_eager")(graph, example_inputs)
+
+
+@register_backend
+def recording_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """The captured graphs run as they are (the cheapest compile), recorded."""
+    COMPILED_GRAPHS.append(graph)
+    return graph.forward
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_matmul_precision_sets_torch_for_the_gpu_and_keeps_cpu_matmuls_strict(precision):
+    configure_runtime(config(f"runtime.matmul_precision={precision}").runtime)
+    assert torch.get_float32_matmul_precision() == precision
+    assert torch.backends.cuda.matmul.allow_tf32 == torch.backends.cudnn.allow_tf32 == (precision != "highest")
+    assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_tf32_is_the_default_and_cpu_flow_is_bitwise_the_strict_fp32_flow():
+    assert config().runtime.matmul_precision == "high"
+    torch.manual_seed(0)
+    net = build_backbone().eval()
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    flows = {}
+    for precision in ("highest", "high", "medium"):
+        configure_runtime(config(f"runtime.matmul_precision={precision}").runtime)
+        with torch.no_grad():
+            flows[precision] = net(*images, iters=2)["flow"]
+    assert torch.equal(flows["high"], flows["highest"]) and torch.equal(flows["medium"], flows["highest"])
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_a_bad_matmul_precision_is_one_error_naming_the_key(capsys):
+    with pytest.raises(ValueError, match=r"runtime.matmul_precision='fast': expected one of highest, high"):
+        configure_runtime(config("runtime.matmul_precision=fast").runtime)
+    with pytest.raises(SystemExit) as exit_info:  # as run.py reports it, before any work
+        run_task(config("task=eval", "eval=synthetic", "runtime.matmul_precision=tf32"))
+    assert exit_info.value.code == 1
+    assert "error (ValueError): runtime.matmul_precision='tf32'" in capsys.readouterr().err
+
+
+RETAINED_AFTER_FREES = """
+import json, sys, torch
+from omegaconf import OmegaConf
+from flowformer.tasks.runtime import configure_runtime
+configure_runtime(OmegaConf.create(json.loads(sys.argv[1])))
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+start = resident_mib()
+for _ in range(3):
+    tensor = torch.ones(20 * 2**18)  # 20 MiB, touched
+    del tensor
+print(resident_mib() - start)
+"""
+
+
+def retained_mib(runtime) -> float:
+    """Resident MiB a fresh process keeps after allocating and freeing a 20 MiB tensor three times under
+    `runtime` (a fresh process: the allocator's settings last as long as the process)."""
+    settings = json.dumps(OmegaConf.to_container(runtime, resolve=True))
+    result = subprocess.run(
+        [sys.executable, "-c", RETAINED_AFTER_FREES, settings], capture_output=True, text=True, check=True
+    )
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
+def test_cpu_mmap_threshold_gives_freed_tensors_back_to_the_os():
+    assert config().runtime.cpu_mmap_threshold_mb is None  # glibc's default unless asked
+    assert retained_mib(config().runtime) > 15  # glibc's heap keeps a freed block at least
+    assert retained_mib(config("runtime.cpu_mmap_threshold_mb=16").runtime) < 5
+
+
+def test_a_bad_cpu_mmap_threshold_is_one_error_naming_the_key():
+    expected = r"runtime.cpu_mmap_threshold_mb=64: expected a size in MiB in \(0, 32\]"
+    with pytest.raises(ValueError, match=expected):
+        configure_runtime(config("runtime.cpu_mmap_threshold_mb=64").runtime)
+
+
+def test_compile_is_off_by_default_and_leaves_the_network_alone():
+    net = build_backbone()
+    compile_network(net, config().runtime)
+    assert all(module._compiled_call_impl is None for module in net.modules())
+
+
+def test_compiled_network_gives_the_uncompiled_flow():
+    torch.manual_seed(0)
+    net = build_backbone().eval()
+    reference = build_backbone().eval()
+    reference.load_state_dict(net.state_dict())
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=recording_aot_eager").runtime)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    COMPILED_GRAPHS.clear()
+    with torch.no_grad():
+        flow = net(*images, iters=1)["flow"]
+        expected = reference(*images, iters=1)["flow"]
+    assert COMPILED_GRAPHS  # the stages went through torch.compile
+    torch.testing.assert_close(flow, expected)
+    assert list(net.state_dict()) == list(reference.state_dict())
+
+
+def test_training_with_compile_saves_plain_checkpoint_keys(tmp_path):
+    cfg = config(
+        "debug=tiny", "trainer.max_steps=1", "model.train_iters=1", f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path}", "runtime.compile=true", "runtime.compile_backend=recording_eager",
+    )
+    COMPILED_GRAPHS.clear()
+    fit(cfg)
+    assert COMPILED_GRAPHS  # the training step ran the compiled stages
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert not [key for key in state if "_orig_mod" in key]
+    assert sorted(state) == sorted(f"backbone.{key}" for key in build_backbone().state_dict())
+
+
+def test_bench_reports_the_compile_time_of_each_row(tmp_path):
+    cfg = config(
+        "bench.device=cpu", "bench.sizes=[[64,96]]", "bench.iters=1", "bench.warmup=1", "bench.repeats=1",
+        "runtime.compile=true", "runtime.compile_backend=eager", f"paths.output_dir={tmp_path}",
+    )
+    bench.run(cfg)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["compile_s"] > 0  # dynamo traced the stages in the first step
+    assert report["setup"]["compile"] == "eager (default)" and report["setup"]["matmul_precision"] == "high"
+    header, _, line = (tmp_path / "bench.md").read_text().splitlines()
+    assert "| seconds per step | pairs per second | compile s |" in header and line.count("|") == header.count("|")
+    with pytest.raises(ValueError, match="runtime.compile=true needs bench.warmup >= 1"):
+        bench.run(config("runtime.compile=true", "bench.warmup=0", f"paths.output_dir={tmp_path}"))
