@@ -14,6 +14,8 @@ malformed root raises :class:`DatasetRootError`, which names the path, draws tha
 from __future__ import annotations
 
 import inspect
+import itertools
+import logging
 import os
 import re
 import textwrap
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike
+
+log = logging.getLogger(__name__)
 
 
 def expected_tree(cls: type) -> str:
@@ -176,23 +180,29 @@ def _sorted_files(folder: Path, pattern: str) -> list[Path]:
     return sorted(folder.glob(pattern))
 
 
+_CHAIRS_SPLIT_NAMES = ("FlyingChairs_train_val.txt", "chairs_split.txt")
+
+
 class FlyingChairs(FlowDataset):
-    """FlyingChairs (22,872 pairs; 22,232 training / 640 validation by ``chairs_split.txt``).
+    """FlyingChairs (22,872 pairs; 22,232 training / 640 validation by the split file).
 
     Expected tree::
 
-        FlyingChairs_release/data/      <- root
-            00001_img1.ppm
-            00001_img2.ppm
-            00001_flow.flo
-            ...
-            chairs_split.txt            <- one line per pair: 1 = training, 2 = validation
-                                           (also accepted one level up, in FlyingChairs_release/)
+        FlyingChairs_release/
+            data/                       <- root
+                00001_img1.ppm
+                00001_img2.ppm
+                00001_flow.flo
+                ...
+            FlyingChairs_train_val.txt  <- the split file, one line per pair: 1 = training, 2 = validation
+                                           (or chairs_split.txt; either name, here or in data/)
 
     Pairs are (images[2i], images[2i+1]) with flows[i] over the sorted ``*.ppm`` and ``*.flo`` lists
-    (official ``FlyingChairs``; ``chairs_split.txt``: 1 = training, 2 = validation). ``split`` is
-    ``training`` or ``validation`` (the official default 'train' matched neither and gave an empty set;
-    docs/departures.md).
+    (official ``FlyingChairs``). The split file is read under its published name
+    ``FlyingChairs_train_val.txt`` or the official code's ``chairs_split.txt`` (the same content), in the root
+    or one level up; when both are present ``FlyingChairs_train_val.txt`` is read, and the log says so.
+    ``split_file`` names another file. ``split`` is ``training`` or ``validation`` (the official default
+    'train' matched neither and gave an empty set; docs/departures.md).
     """
 
     def __init__(
@@ -221,16 +231,29 @@ class FlyingChairs(FlowDataset):
                 meta = {"dataset": "chairs", "name": name}
                 self.samples.append(FlowSample(images[2 * i], images[2 * i + 1], flow, meta))
 
-    def _read_split(self, split_file: PathLike | None, num_pairs: int) -> np.ndarray:
-        candidates = [Path(split_file)] if split_file else [self.root / "chairs_split.txt"]
-        if split_file is None:
-            candidates.append(self.root.parent / "chairs_split.txt")
-        path = next((c for c in candidates if c.is_file()), None)
-        if path is None:
+    def _find_split_file(self) -> Path:
+        """The first split file present: ``FlyingChairs_train_val.txt`` before ``chairs_split.txt``, each
+        looked for in the root, then one level up."""
+        folders = (self.root, self.root.parent)
+        candidates = [folder / name for name in _CHAIRS_SPLIT_NAMES for folder in folders]
+        found = [path for path in candidates if path.is_file()]
+        if not found:
             self._fail(
-                "missing the split file chairs_split.txt (looked at "
-                + ", ".join(f"'{c}'" for c in candidates)
-                + "); download it from the RAFT / FlowNet2 repositories or set `split_file`"
+                f"missing the split file: put {_CHAIRS_SPLIT_NAMES[0]} (from the FlyingChairs download page) "
+                f"or {_CHAIRS_SPLIT_NAMES[1]} (the same file, as the official code names it) in "
+                f"'{folders[1]}' or '{folders[0]}', or name it with the dataset's `split_file` key"
+            )
+        if len(found) > 1:
+            also = ", ".join(str(path) for path in found[1:])
+            log.info("FlyingChairs: reading the split file %s (also present, not read: %s)", found[0], also)
+        return found[0]
+
+    def _read_split(self, split_file: PathLike | None, num_pairs: int) -> np.ndarray:
+        path = Path(split_file) if split_file else self._find_split_file()
+        if not path.is_file():
+            self._fail(
+                f"`split_file` names '{path}', which does not exist; point it at {_CHAIRS_SPLIT_NAMES[0]} "
+                "or leave it unset to look in the root and one level up"
             )
         try:
             split_list = np.loadtxt(path, dtype=np.int64).reshape(-1)
@@ -243,18 +266,22 @@ class FlyingChairs(FlowDataset):
 
 _THINGS_PASS_DIRS = {"clean": "frames_cleanpass", "final": "frames_finalpass"}
 _THINGS_DIRECTIONS = ("into_future", "into_past")
+_THINGS_CAMERAS = {"left": ("left",), "right": ("right",), "both": ("left", "right")}
 
 
 class FlyingThings3D(FlowDataset):
-    """FlyingThings3D (the full release, not the DispNet/FlowNet2.0 subset), left camera, both directions.
+    """FlyingThings3D (the full release, not the DispNet/FlowNet2.0 subset), both directions, left camera
+    by default.
 
     Expected tree::
 
         FlyingThings3D/                              <- root
             frames_cleanpass/TRAIN/{A,B,C}/0000/left/0006.png ...
+            frames_cleanpass/TRAIN/{A,B,C}/0000/right/0006.png ...     (read with camera right or both)
             frames_finalpass/TRAIN/{A,B,C}/0000/left/0006.png ...
             optical_flow/TRAIN/{A,B,C}/0000/into_future/left/OpticalFlowIntoFuture_0006_L.pfm ...
             optical_flow/TRAIN/{A,B,C}/0000/into_past/left/OpticalFlowIntoPast_0006_L.pfm ...
+            optical_flow/TRAIN/{A,B,C}/0000/into_future/right/OpticalFlowIntoFuture_0006_R.pfm ...
             (TEST/ alike, for split='test')
 
     Official pairing (``FlyingThings3D`` in ``core/datasets.py``), per sequence with sorted images and flows,
@@ -264,6 +291,9 @@ class FlyingThings3D(FlowDataset):
     list of other codebases): every TRAIN sequence is used, and so is every sequence here. Sequences are
     matched by name (the official code zips two sorted lists: the same on a complete tree; docs/departures.md).
     ``passes`` lists ``clean`` and/or ``final`` (the things stage uses both, the sintel mix clean only).
+    ``camera`` is ``left`` (the official reader's only camera), ``right`` or ``both``; each camera's images
+    pair with the flows of its own folder. Samples are ordered by pass, camera (left, then right), direction,
+    then sequence: the order of torchvision's ``FlyingThings3D``.
     """
 
     def __init__(
@@ -272,12 +302,18 @@ class FlyingThings3D(FlowDataset):
         root: PathLike,
         passes: Sequence[str] = ("clean",),
         split: str = "training",
+        camera: str = "left",
         directions: Sequence[str] = _THINGS_DIRECTIONS,
         augmentor: FlowAugmentor | None = None,
     ) -> None:
         super().__init__(root=root, augmentor=augmentor)
         _check_choices("FlyingThings3D", "passes", passes, _THINGS_PASS_DIRS)
         _check_choices("FlyingThings3D", "directions", directions, _THINGS_DIRECTIONS)
+        if camera not in _THINGS_CAMERAS:
+            raise ValueError(
+                f"FlyingThings3D: camera must be 'left', 'right' or 'both', got {camera!r} (the dataset's "
+                "`camera` key, e.g. data.train.camera in conf/data/things.yaml)"
+            )
         if split not in ("training", "test"):
             raise ValueError(f"FlyingThings3D: split must be 'training' or 'test', got {split!r}")
         split_dir = "TRAIN" if split == "training" else "TEST"
@@ -285,30 +321,35 @@ class FlyingThings3D(FlowDataset):
         flow_root = self._require_dir(self.root / "optical_flow" / split_dir)
         for pass_name in passes:
             image_root = self._require_dir(self.root / _THINGS_PASS_DIRS[pass_name] / split_dir)
-            for direction in directions:
+            for view, direction in itertools.product(_THINGS_CAMERAS[camera], directions):
                 for seq_dir in sorted(p for p in image_root.glob("*/*") if p.is_dir()):
                     scene = f"{seq_dir.parent.name}/{seq_dir.name}"
-                    images = _sorted_files(seq_dir / "left", "*.png")
-                    flows = _sorted_files(flow_root / scene / direction / "left", "*.pfm")
-                    if len(flows) != len(images):
-                        self._fail(
-                            f"sequence {split_dir}/{scene}: {len(images)} left images in {seq_dir / 'left'} but "
-                            f"{len(flows)} {direction} flows in {flow_root / scene / direction / 'left'}"
-                        )
-                    for i in range(len(flows) - 1):
-                        pair = (images[i], images[i + 1], flows[i])
-                        if direction == "into_past":
-                            pair = (images[i + 1], images[i], flows[i + 1])
-                        meta = {
-                            "dataset": "things",
-                            "name": f"{pass_name}/{split_dir}/{scene}/{direction}/{pair[0].stem}",
-                            "pass": pass_name,
-                            "direction": direction,
-                            "scene": scene,
-                            "frame": i,
-                        }
-                        self.samples.append(FlowSample(*pair, meta))
+                    meta = {
+                        "dataset": "things",
+                        "pass": pass_name,
+                        "camera": view,
+                        "direction": direction,
+                        "scene": scene,
+                    }
+                    flow_dir = flow_root / scene / direction / view
+                    self._add_sequence(seq_dir / view, flow_dir, f"{split_dir}/{scene}", meta)
         self._require_samples()
+
+    def _add_sequence(self, image_dir: Path, flow_dir: Path, sequence: str, meta: dict[str, str]) -> None:
+        """The pairs of one sequence (``TRAIN/A/0000``), camera and direction (official pairing, above)."""
+        images = _sorted_files(image_dir, "*.png")
+        flows = _sorted_files(flow_dir, "*.pfm")
+        if len(flows) != len(images):
+            self._fail(
+                f"sequence {sequence}: {len(images)} {meta['camera']} images in {image_dir} but "
+                f"{len(flows)} {meta['direction']} flows in {flow_dir}"
+            )
+        for i in range(len(flows) - 1):
+            pair = (images[i], images[i + 1], flows[i])
+            if meta["direction"] == "into_past":
+                pair = (images[i + 1], images[i], flows[i + 1])
+            name = f"{meta['pass']}/{sequence}/{meta['direction']}/{meta['camera']}/{pair[0].stem}"
+            self.samples.append(FlowSample(*pair, {**meta, "name": name, "frame": i}))
 
 
 class MpiSintel(FlowDataset):
@@ -407,25 +448,39 @@ class KITTI(FlowDataset):
 
 
 class HD1K(FlowDataset):
-    """HD1K benchmark (Heidelberg), sparse ground truth.
+    """HD1K benchmark (Heidelberg), sparse ground truth; ``split`` is ``training`` or ``test`` (no flow).
 
     Expected tree::
 
         HD1k/                                              <- root
             hd1k_input/image_2/000000_0000.png, 000000_0001.png, ...
             hd1k_flow_gt/flow_occ/000000_0000.png, ...     (16-bit PNG like KITTI)
+            hd1k_challenge/image_2/000000_0010.png, 000000_0011.png, ...   (split='test')
 
-    Files are ``<sequence>_<frame>.png``. Per sequence, pair i is (image[i], image[i+1]) with flow[i], for
-    i up to len(flows)-2 (official ``HD1K``). The official loop stops at the first missing sequence number;
-    here every sequence present is read (docs/departures.md).
+    Training files are ``<sequence>_<frame>.png``. Per sequence, pair i is (image[i], image[i+1]) with
+    flow[i], for i up to len(flows)-2 (official ``HD1K``). The official loop stops at the first missing
+    sequence number; here every sequence present is read (docs/departures.md). The test split pairs each
+    ``hd1k_challenge/image_2/<name>10.png`` with its ``<name>11.png`` (one pair per sequence), as KITTI's test
+    split; ``meta`` carries ``frame_id``, the first image's file name (``000000_0010.png``).
     """
 
     sparse = True
     _NAME = re.compile(r"^(\d+)_(\d+)\.png$")
 
-    def __init__(self, *, root: PathLike, augmentor: SparseFlowAugmentor | None = None) -> None:
+    def __init__(
+        self, *, root: PathLike, split: str = "training", augmentor: SparseFlowAugmentor | None = None
+    ) -> None:
         super().__init__(root=root, augmentor=augmentor)
+        if split not in ("training", "test"):
+            raise ValueError(f"HD1K: split must be 'training' or 'test', got {split!r}")
         self._require_dir(self.root)
+        if split == "test":
+            self._add_challenge_pairs(self._require_dir(self.root / "hd1k_challenge" / "image_2"))
+        else:
+            self._add_training_pairs()
+        self._require_samples()
+
+    def _add_training_pairs(self) -> None:
         flow_dir = self._require_dir(self.root / "hd1k_flow_gt" / "flow_occ")
         image_dir = self._require_dir(self.root / "hd1k_input" / "image_2")
         flows = self._by_sequence(flow_dir)
@@ -437,7 +492,21 @@ class HD1K(FlowDataset):
             for i in range(len(seq_flows) - 1):
                 meta = {"dataset": "hd1k", "name": seq_flows[i].stem, "sequence": seq, "frame": i}
                 self.samples.append(FlowSample(seq_images[i], seq_images[i + 1], seq_flows[i], meta))
-        self._require_samples()
+
+    def _add_challenge_pairs(self, image_dir: Path) -> None:
+        firsts = _sorted_files(image_dir, "*10.png")
+        seconds = _sorted_files(image_dir, "*11.png")
+        partners = [first.with_name(first.name[: -len("10.png")] + "11.png") for first in firsts]
+        unpaired = [f.name for f, p in zip(firsts, partners, strict=True) if not p.is_file()]
+        unpaired += [second.name for second in seconds if second not in partners]
+        if unpaired:
+            self._fail(
+                f"{image_dir}: {', '.join(unpaired)} lack the other frame of the pair "
+                "(each <name>10.png needs its <name>11.png)"
+            )
+        for first, second in zip(firsts, partners, strict=True):
+            meta = {"dataset": "hd1k", "name": first.stem.split("_")[0], "frame_id": first.name}
+            self.samples.append(FlowSample(first, second, None, meta))
 
     def _by_sequence(self, folder: Path) -> dict[str, list[Path]]:
         groups: dict[str, list[Path]] = {}
