@@ -107,7 +107,22 @@ class PatchEmbed(nn.Module):
         return self.norm(x.flatten(2).transpose(1, 2)), (h3, w3)
 
 
-class LatentCrossAttention(nn.Module):
+class _PreNormAttentionBlock(nn.Module):
+    """The parameters of a pre-norm attention block with its feed-forward, named as in the official checkpoints
+    (norm1, q, k, v, proj, norm2, ffn): queries of width `dim`, keys and values read from width `source_dim`."""
+
+    def __init__(self, *, dim: int, source_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(source_dim, dim)
+        self.v = nn.Linear(source_dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ffn = feed_forward(dim)
+
+
+class LatentCrossAttention(_PreNormAttentionBlock):
     """K latent codewords attend to the patch tokens of each cost map (official `input_layer`, 8 heads, FFN 1x).
 
     latent [1, K, D], tokens [N, L, T] -> [N, K, D]. With `ids_keep` [N, n_keep] only the kept tokens are
@@ -115,14 +130,7 @@ class LatentCrossAttention(nn.Module):
     """
 
     def __init__(self, *, dim: int, token_dim: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(token_dim, dim)
-        self.v = nn.Linear(token_dim, dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ffn = feed_forward(dim)
+        super().__init__(dim=dim, source_dim=token_dim)
 
     def forward(self, latent: Tensor, tokens: Tensor, ids_keep: Tensor | None = None) -> Tensor:
         if ids_keep is not None:
@@ -132,18 +140,11 @@ class LatentCrossAttention(nn.Module):
         return x + self.ffn(self.norm2(x))
 
 
-class SelfAttentionLayer(nn.Module):
+class SelfAttentionLayer(_PreNormAttentionBlock):
     """Intra-cost-map attention over the K tokens of one source pixel: [N, K, D] -> [N, K, D]."""
 
     def __init__(self, *, dim: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ffn = feed_forward(dim)
+        super().__init__(dim=dim, source_dim=dim)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.norm1(x)
@@ -167,6 +168,21 @@ def _context_tokens(context: Tensor | None, proj: nn.Linear | None, rows: int) -
     return c.repeat_interleave(rows // batch, dim=0).view(rows, height, width, -1)
 
 
+
+def _padded_grids(
+    x: Tensor, size: tuple[int, int], context: Tensor | None, proj: nn.Linear | None, multiple: int
+) -> tuple[Tensor, Tensor]:
+    """Tokens x [rows, H*W, C] -> (x, x_qk) as grids [rows, Hp, Wp, C] and [rows, Hp, Wp, C + c], zero-padded at
+    the bottom and right to multiples of `multiple`; x_qk carries the projected context the queries and keys see
+    (x itself without context)."""
+    rows, _, channels = x.shape
+    height, width = size
+    x = x.view(rows, height, width, channels)
+    ctx = _context_tokens(context, proj, rows)
+    x_qk = x if ctx is None else torch.cat([x, ctx.to(x.dtype)], dim=-1)
+    pad = (0, 0, 0, (multiple - width % multiple) % multiple, 0, (multiple - height % multiple) % multiple)
+    return F.pad(x, pad), F.pad(x_qk, pad)
+
 class LocalWindowAttention(nn.Module):
     """LSA over the source grid, 7x7 windows, window-local sine code (dim D + c) added to q and k (official
     `LocallyGroupedAttnRPEContext`).
@@ -189,11 +205,7 @@ class LocalWindowAttention(nn.Module):
         rows, n, channels = x.shape
         height, width = size
         ws, heads = WINDOW, HEADS
-        x = x.view(rows, height, width, channels)
-        ctx = _context_tokens(context, getattr(self, "context_proj", None), rows)
-        x_qk = x if ctx is None else torch.cat([x, ctx.to(x.dtype)], dim=-1)
-        pad = (0, 0, 0, (ws - width % ws) % ws, 0, (ws - height % ws) % ws)
-        x, x_qk = F.pad(x, pad), F.pad(x_qk, pad)
+        x, x_qk = _padded_grids(x, size, context, getattr(self, "context_proj", None), ws)
         nh = x.shape[1] // ws
 
         def windows(t: Tensor) -> Tensor:
@@ -245,11 +257,7 @@ class GlobalSubsampledAttention(nn.Module):
         rows, n, channels = x.shape
         height, width = size
         sr, heads = SUBSAMPLE, HEADS
-        x = x.view(rows, height, width, channels)
-        ctx = _context_tokens(context, getattr(self, "context_proj", None), rows)
-        x_qk = x if ctx is None else torch.cat([x, ctx.to(x.dtype)], dim=-1)
-        pad = (0, 0, 0, (sr - width % sr) % sr, 0, (sr - height % sr) % sr)
-        x, x_qk = F.pad(x, pad), F.pad(x_qk, pad)
+        x, x_qk = _padded_grids(x, size, context, getattr(self, "context_proj", None), sr)
         hp, wp = x.shape[1], x.shape[2]
         x, x_qk = x.view(rows, hp * wp, channels), x_qk.view(rows, hp * wp, -1)
 

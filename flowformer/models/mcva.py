@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.models.cost_encoder import PATCH
-from flowformer.models.cost_volume import as_cost_volume
+from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import recomputed_in_backward
 from flowformer.models.token_mask import TokenMask
 
@@ -229,6 +229,55 @@ class MCVAOutput:
     targets: list[Tensor] = field(default_factory=list)
 
 
+def _check_inputs(
+    net: nn.Module,
+    image1: Tensor,
+    mask_noise: Tensor,
+    query_uniform: Tensor | None,
+    objective: ReconstructionObjective,
+) -> None:
+    """A network with a reconstruction head, and recorded draws that fit the images [B, 3, H, W]."""
+    if not hasattr(net, "pretrain_head"):
+        raise ValueError(
+            "MCVA needs a backbone with a reconstruction head: build it with variant='flowformer_pp' "
+            "(e.g. backbone=flowformer_pp or backbone=tiny)."
+        )
+    batch, h1, w1 = image1.shape[0], image1.shape[-2] // 8, image1.shape[-1] // 8  # the cost volume's grid
+    if tuple(mask_noise.shape[:3]) != (batch, h1, w1):
+        raise ValueError(
+            f"mask noise {tuple(mask_noise.shape)} does not match the 1/8-res cost volume: expected "
+            f"[{batch}, {h1}, {w1}, L]"
+        )
+    if objective.recon_location == "random" and (query_uniform is None or query_uniform.shape[0] != objective.query_num):
+        got = None if query_uniform is None else tuple(query_uniform.shape)
+        raise ValueError(f"query_uniform must be [query_num={objective.query_num}, B, 2, H1, W1], got {got}")
+
+
+def _reconstruction_round(
+    net: nn.Module,
+    cost: CostVolume,
+    cost_memory: Tensor,
+    memory_kv: tuple[Tensor, Tensor],
+    coords: Tensor,
+    objective: ReconstructionObjective,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One query round at coords [B, 2, H1, W1] -> (its loss, prediction and target [B, heads*S^2, H1, W1])."""
+    recon_size = net.pretrain_head.recon_size
+    with torch.no_grad():  # the target is a constant of the loss
+        target = cost.window(coords, recon_size // 2)
+
+    def reconstruct(coords: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        cost_global = net.query_cost_memory(cost_memory, cost, coords, memory_kv)  # [B, Q, H1, W1]
+        prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
+        return reconstruction_loss(prediction, target, normalize=objective.normalize), prediction
+
+    # with backbone.activation_checkpoint's `decoder`, each round's query and head recompute in backward
+    loss, prediction = recomputed_in_backward(
+        net.memory_decoder.checkpoint_iterations, reconstruct, coords, target
+    )
+    return loss, prediction, target
+
+
 def mcva_forward(
     net: nn.Module,
     image1: Tensor,
@@ -246,52 +295,29 @@ def mcva_forward(
     image1, image2 [B, 3, H, W] in 0..255; mask_noise [B, H1, W1, L]; query_uniform [R, B, 2, H1, W1] with
     R = query_num for recon_location="random", None for "fixed".
     """
-    if not hasattr(net, "pretrain_head"):
-        raise ValueError(
-            "MCVA needs a backbone with a reconstruction head: build it with variant='flowformer_pp' "
-            "(e.g. backbone=flowformer_pp or backbone=tiny)."
-        )
+    _check_inputs(net, image1, mask_noise, query_uniform, objective)
     # backbone.memory_budget_gb bounds pretraining as it bounds forward: the cost maps are then computed in
     # blocks from the features and the target windows sampled from each block's maps, with the same numbers
     plan, cost, context = net.planned_cost_volume(image1, image2)
     cost = as_cost_volume(cost)  # unmasked, [B*H1*W1, heads, H1, W1] maps
     batch, (h1, w1), device = image1.shape[0], cost.map_size, context.device
-    if tuple(mask_noise.shape[:3]) != (batch, h1, w1):
-        raise ValueError(
-            f"mask noise {tuple(mask_noise.shape)} does not match the 1/8-res cost volume: expected "
-            f"[{batch}, {h1}, {w1}, L]"
-        )
-    if objective.recon_location == "random" and (query_uniform is None or query_uniform.shape[0] != objective.query_num):
-        got = None if query_uniform is None else tuple(query_uniform.shape)
-        raise ValueError(f"query_uniform must be [query_num={objective.query_num}, B, 2, H1, W1], got {got}")
     token_mask = mask_generator.token_mask(mask_noise.to(device))
     cost_memory = net.encode_cost(cost, context, token_mask, plan.activation_bytes)  # [B*H1*W1, K, D]
 
     memory_kv = net.cost_memory_kv(cost_memory)  # computed once, reused by every round as the official code does
-    recon_size = net.pretrain_head.recon_size
     total = torch.zeros((), device=device, dtype=torch.float32)
     round_losses, predictions, targets = [], [], []
-
-    def reconstruct(coords: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        """-> (the round's loss, its prediction [B, heads*S^2, H1, W1]) at coords [B, 2, H1, W1]."""
-        cost_global = net.query_cost_memory(cost_memory, cost, coords, memory_kv)  # [B, Q, H1, W1]
-        prediction = net.pretrain_head(cost_global)  # [B, heads*S^2, H1, W1]
-        return reconstruction_loss(prediction, target, normalize=objective.normalize), prediction
-
     for round_idx in range(objective.query_num):
         uniform = None if query_uniform is None else query_uniform[round_idx].to(device)
         coords = recon_locations(
             uniform,
             shape=(batch, h1, w1),
-            recon_size=recon_size,
+            recon_size=net.pretrain_head.recon_size,
             location=objective.recon_location,
             device=device,
         )
-        with torch.no_grad():  # the target is a constant of the loss
-            target = cost.window(coords, recon_size // 2)  # [B, heads*S^2, H1, W1]
-        # with backbone.activation_checkpoint's `decoder`, each round's query and head recompute in backward
-        round_loss, prediction = recomputed_in_backward(
-            net.memory_decoder.checkpoint_iterations, reconstruct, coords, target
+        round_loss, prediction, target = _reconstruction_round(
+            net, cost, cost_memory, memory_kv, coords, objective
         )
         total = total + round_loss  # summed (not averaged) left to right from 0, as the official loop
         round_losses.append(round_loss.detach())

@@ -52,7 +52,7 @@ def chairs_tree(root: Path, split: list[int], split_in_parent: bool = False) -> 
     for i in range(len(split)):
         write_image(data / f"{i + 1:05d}_img1.ppm", 10 * i)
         write_image(data / f"{i + 1:05d}_img2.ppm", 10 * i + 1)
-        write_flo(data / f"{i + 1:05d}flow_field.flo", flow_field(float(i)))
+        write_flo(data / f"{i + 1:05d}_flow.flo", flow_field(float(i)))
     split_dir = data.parent if split_in_parent else data
     (split_dir / "chairs_split.txt").write_text("".join(f"{s}\n" for s in split))
     return data
