@@ -8,7 +8,6 @@ import itertools
 import logging
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pytest
 import torch
@@ -16,46 +15,20 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from flowformer.data.datasets import HD1K, DatasetRootError, FlyingChairs, FlyingThings3D
-from flowformer.data.io import write_flo, write_kitti_flow
+from flowformer.data.io import write_kitti_flow
 
-H, W = 12, 16
-THINGS_YAML = Path(__file__).resolve().parents[2] / "conf" / "data" / "things.yaml"
+from helpers.configs import CONF_DIR
+from helpers.trees import H, W, chairs_tree, red, write_image, write_pfm
 
-
-def _image(path: Path, value: int) -> None:
-    """An RGB image whose red channel is ``value`` everywhere: the value names the frame."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rgb = np.zeros((H, W, 3), dtype=np.uint8)
-    rgb[..., 0] = value
-    assert cv2.imwrite(str(path), rgb[..., ::-1])
-
-
-def _red(image: torch.Tensor) -> int:
-    return int(image[0, 0, 0])
+THINGS_YAML = CONF_DIR / "data" / "things.yaml"
 
 
 def _flow(value: float) -> np.ndarray:
+    """Both components equal to ``value`` everywhere."""
     return np.full((H, W, 2), value, dtype=np.float32)
 
 
-def _write_pfm(path: Path, flow: np.ndarray) -> None:
-    """FlyingThings3D's flow format: 3-channel little-endian PFM, rows stored bottom to top."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = np.concatenate([flow, np.zeros_like(flow[..., :1])], axis=-1)[::-1].astype("<f4")
-    path.write_bytes(f"PF\n{W} {H}\n-1.0\n".encode() + data.tobytes())
-
-
 # FlyingChairs: FlyingChairs.zip gives FlyingChairs_release/data/; the split file is a separate download ----
-
-
-def _chairs_release(root: Path, split: list[int]) -> Path:
-    """FlyingChairs_release/data/ with one pair per entry of ``split``; pair i has images 10i, 10i+1, flow i."""
-    data = root / "FlyingChairs_release" / "data"
-    for i in range(len(split)):
-        _image(data / f"{i + 1:05d}_img1.ppm", 10 * i)
-        _image(data / f"{i + 1:05d}_img2.ppm", 10 * i + 1)
-        write_flo(data / f"{i + 1:05d}_flow.flo", _flow(float(i)))
-    return data
 
 
 def _write_split(path: Path, split: list[int]) -> None:
@@ -64,22 +37,23 @@ def _write_split(path: Path, split: list[int]) -> None:
 
 @pytest.mark.parametrize("beside_data", [True, False])
 def test_chairs_reads_the_published_split_file(tmp_path: Path, beside_data: bool) -> None:
-    data = _chairs_release(tmp_path, [2, 1, 1])
+    data = chairs_tree(tmp_path, [2, 1, 1], split_name=None)
     _write_split((data.parent if beside_data else data) / "FlyingChairs_train_val.txt", [2, 1, 1])
     train = FlyingChairs(root=data, split="training")
     val = FlyingChairs(root=data, split="validation")
     assert [s.meta["name"] for s in train.samples] == ["00002", "00003"]
     assert len(val) == 1
     item = val[0]  # pair 00001: images 0 and 1, flow 0
-    assert (_red(item["img1"]), _red(item["img2"])) == (0, 1)
+    assert (red(item["img1"]), red(item["img2"])) == (0, 1)
     assert torch.all(item["flow"] == 0.0)
-    assert (_red(train[1]["img1"]), _red(train[1]["img2"])) == (20, 21) and torch.all(train[1]["flow"] == 2.0)
+    assert (red(train[1]["img1"]), red(train[1]["img2"])) == (20, 21) and torch.all(train[1]["flow"][0] == 2.0)
+    assert torch.all(train[1]["flow"][1] == -2.0)
 
 
 def test_chairs_prefers_the_published_split_file_and_logs_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    data = _chairs_release(tmp_path, [1, 1, 2])
+    data = chairs_tree(tmp_path, [1, 1, 2], split_name=None)
     published = data.parent / "FlyingChairs_train_val.txt"
     _write_split(published, [1, 1, 2])
     _write_split(data / "chairs_split.txt", [2, 2, 1])  # a different split, to tell which file was read
@@ -91,7 +65,7 @@ def test_chairs_prefers_the_published_split_file_and_logs_it(
 
 
 def test_chairs_missing_split_file_names_both_names_and_places(tmp_path: Path) -> None:
-    data = _chairs_release(tmp_path, [1, 2])
+    data = chairs_tree(tmp_path, [1, 2], split_name=None)
     with pytest.raises(DatasetRootError) as err:
         FlyingChairs(root=data)
     message = str(err.value)
@@ -109,12 +83,12 @@ def _hd1k_tree(root: Path) -> Path:
     for seq in range(2):
         for frame in range(3):
             name = f"{seq:06d}_{frame:04d}.png"
-            _image(root / "hd1k_input/image_2" / name, 10 * seq + frame)
+            write_image(root / "hd1k_input/image_2" / name, 10 * seq + frame)
             valid = np.ones((H, W), dtype=np.float32)
             write_kitti_flow(root / "hd1k_flow_gt/flow_occ" / name, _flow(0.5 * frame), valid)
     for seq in (2, 0, 1):  # written out of order on purpose
-        _image(root / "hd1k_challenge/image_2" / f"{seq:06d}_0010.png", 100 + 10 * seq)
-        _image(root / "hd1k_challenge/image_2" / f"{seq:06d}_0011.png", 101 + 10 * seq)
+        write_image(root / "hd1k_challenge/image_2" / f"{seq:06d}_0010.png", 100 + 10 * seq)
+        write_image(root / "hd1k_challenge/image_2" / f"{seq:06d}_0011.png", 101 + 10 * seq)
     return root
 
 
@@ -124,11 +98,11 @@ def test_hd1k_test_split_reads_the_challenge_pairs(tmp_path: Path) -> None:
     assert len(test) == 3
     for seq, item in enumerate(test):
         assert set(item) == {"img1", "img2", "meta"}
-        assert (_red(item["img1"]), _red(item["img2"])) == (100 + 10 * seq, 101 + 10 * seq)
+        assert (red(item["img1"]), red(item["img2"])) == (100 + 10 * seq, 101 + 10 * seq)
         assert item["meta"] == {"dataset": "hd1k", "name": f"{seq:06d}", "frame_id": f"{seq:06d}_0010.png"}
     training = HD1K(root=root)
     assert len(training) == 4 and all("flow" in training[i] for i in range(len(training)))
-    assert float(training[3]["flow"][0, 0, 0]) == 0.5 and _red(training[3]["img1"]) == 11
+    assert float(training[3]["flow"][0, 0, 0]) == 0.5 and red(training[3]["img1"]) == 11
 
 
 def test_hd1k_test_split_reports_an_unpaired_frame(tmp_path: Path) -> None:
@@ -150,14 +124,14 @@ SIDE = {"left": "L", "right": "R"}
 def _things_tree(root: Path, frames: int = 3) -> Path:
     for seq, camera, j in itertools.product(SEQUENCES, SIDE, range(frames)):
         offset = CAMERA_VALUE[camera]
-        _image(root / "frames_cleanpass/TRAIN" / seq / camera / f"{6 + j:04d}.png", offset + j)
-        _image(root / "frames_finalpass/TRAIN" / seq / camera / f"{6 + j:04d}.png", 100 + offset + j)
+        write_image(root / "frames_cleanpass/TRAIN" / seq / camera / f"{6 + j:04d}.png", offset + j)
+        write_image(root / "frames_finalpass/TRAIN" / seq / camera / f"{6 + j:04d}.png", 100 + offset + j)
         flows = root / "optical_flow/TRAIN" / seq
-        _write_pfm(
+        write_pfm(
             flows / "into_future" / camera / f"OpticalFlowIntoFuture_{6 + j:04d}_{SIDE[camera]}.pfm",
             _flow(float(offset + j)),
         )
-        _write_pfm(
+        write_pfm(
             flows / "into_past" / camera / f"OpticalFlowIntoPast_{6 + j:04d}_{SIDE[camera]}.pfm",
             _flow(-float(offset + j)),
         )
@@ -177,10 +151,10 @@ def test_things_cameras_pair_each_camera_with_its_own_flow(tmp_path: Path) -> No
     assert {s.meta["camera"] for s in left.samples} == {"left"}
     future = right[1]  # right camera, into_future, A/0000, i = 1: (img[1], img[2]) with future flow[1]
     assert future["meta"]["camera"] == "right" and future["meta"]["direction"] == "into_future"
-    assert (_red(future["img1"]), _red(future["img2"])) == (51, 52) and torch.all(future["flow"] == 51.0)
+    assert (red(future["img1"]), red(future["img2"])) == (51, 52) and torch.all(future["flow"] == 51.0)
     past = right[5]  # into_past, A/0000, i = 1: (img[2], img[1]) with past flow[2]
     assert past["meta"]["direction"] == "into_past" and past["meta"]["scene"] == "A/0000"
-    assert (_red(past["img1"]), _red(past["img2"])) == (52, 51) and torch.all(past["flow"] == -52.0)
+    assert (red(past["img1"]), red(past["img2"])) == (52, 51) and torch.all(past["flow"] == -52.0)
 
 
 def test_things_both_cameras_in_pass_camera_direction_sequence_order(tmp_path: Path) -> None:
@@ -198,7 +172,7 @@ def test_things_both_cameras_in_pass_camera_direction_sequence_order(tmp_path: P
     right = FlyingThings3D(root=root, camera="right")
     assert both.samples[:16] == left.samples + right.samples
     assert len({s.meta["name"] for s in both.samples}) == 32  # names stay unique across cameras
-    assert _red(both[16 + 8]["img1"]) == 150  # final pass, right camera, first pair
+    assert red(both[16 + 8]["img1"]) == 150  # final pass, right camera, first pair
 
 
 def test_things_camera_is_validated_and_set_in_the_config(tmp_path: Path) -> None:

@@ -47,14 +47,19 @@ def sparse_flow(value: float) -> tuple[np.ndarray, np.ndarray]:
     return flow_field(value) * valid[..., None], valid
 
 
-def chairs_tree(root: Path, split: list[int], split_in_parent: bool = False) -> Path:
+def chairs_tree(
+    root: Path, split: list[int], split_in_parent: bool = False, split_name: str | None = "chairs_split.txt"
+) -> Path:
+    """FlyingChairs_release/data/ with one pair per entry of `split` (pair i: images 10i and 10i+1, flow i), and
+    the split file `split_name` in data/ or beside it (None: no split file, as FlyingChairs.zip unpacks)."""
     data = root / "FlyingChairs_release" / "data"
     for i in range(len(split)):
         write_image(data / f"{i + 1:05d}_img1.ppm", 10 * i)
         write_image(data / f"{i + 1:05d}_img2.ppm", 10 * i + 1)
         write_flo(data / f"{i + 1:05d}_flow.flo", flow_field(float(i)))
-    split_dir = data.parent if split_in_parent else data
-    (split_dir / "chairs_split.txt").write_text("".join(f"{s}\n" for s in split))
+    if split_name is not None:
+        split_dir = data.parent if split_in_parent else data
+        (split_dir / split_name).write_text("".join(f"{s}\n" for s in split))
     return data
 
 
