@@ -155,8 +155,9 @@ def open_set(name: str, node: Mapping[str, Any]) -> EvalSet:
     return eval_set
 
 
-def run(cfg: DictConfig) -> float | None:
-    settings = cfg.eval
+def open_sets(settings: DictConfig) -> dict[str, tuple[Protocol, EvalSet]]:
+    """The sets `eval.sets` names, each with its protocol under this run's tiling settings; every set is checked
+    (its definition, protocol and dataset tree) before the network is built."""
     benchmarks = settings.benchmarks
     unknown = [name for name in settings.sets if name not in benchmarks]
     if unknown:
@@ -169,7 +170,6 @@ def run(cfg: DictConfig) -> float | None:
         "min_overlap": int(settings.min_overlap),
         "deduplicate_tiles": bool(settings.deduplicate_tiles),
     }
-    # every set is checked (protocol and dataset tree) before the network is built
     sets: dict[str, tuple[Protocol, EvalSet]] = {}
     for name in settings.sets:
         eval_set = open_set(name, benchmarks[name])
@@ -177,17 +177,45 @@ def run(cfg: DictConfig) -> float | None:
             sets[name] = (eval_set.protocol(eval_set.iters, **run_settings), eval_set)
         except ValueError as error:
             raise ValueError(f"eval set {name}: {error}") from None
+    return sets
+
+
+def load_eval_network(cfg: DictConfig, device: torch.device) -> nn.Module:
+    """cfg.backbone with eval.checkpoint (random weights, seeded, when it is null), compiled as `runtime` says."""
+    torch.manual_seed(cfg.seed)
+    checkpoint = cfg.eval.get("checkpoint") or None
+    if checkpoint is None:
+        log.warning("eval.checkpoint is null: evaluating randomly initialised weights (smoke tests only)")
+    net = load_network(cfg.backbone, checkpoint, device)
+    compile_network(net, cfg.runtime)
+    return net
+
+
+def write_results(
+    cfg: DictConfig, results: Mapping[str, Mapping[str, float]], protocols: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """eval.results_json: the checkpoint, the backbone config, every set's metrics and protocol."""
+    output = Path(cfg.eval.results_json)
+    record = {
+        "checkpoint": cfg.eval.get("checkpoint"),
+        "backbone": OmegaConf.to_container(cfg.backbone, resolve=True),
+        "results": results,
+        "protocol": protocols,
+        "notes": {"kitti": KITTI_NOTE, "averaging": "see flowformer/metrics.py"},
+    }
+    output.write_text(json.dumps(record, indent=2, default=str))
+    log.info("wrote %s", output)
+
+
+def run(cfg: DictConfig) -> float | None:
+    settings = cfg.eval
+    sets = open_sets(settings)
     ensure_writable_dir(Path(settings.results_json).parent, "the folder of eval.results_json")
     submission_dir = None
     if settings.get("submission_dir"):
         submission_dir = ensure_writable_dir(settings.submission_dir, "eval.submission_dir")
     device = pick_device(settings.device)
-    torch.manual_seed(cfg.seed)
-    checkpoint = settings.get("checkpoint") or None
-    if checkpoint is None:
-        log.warning("eval.checkpoint is null: evaluating randomly initialised weights (smoke tests only)")
-    net = load_network(cfg.backbone, checkpoint, device)
-    compile_network(net, cfg.runtime)
+    net = load_eval_network(cfg, device)
 
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}
@@ -206,16 +234,6 @@ def run(cfg: DictConfig) -> float | None:
         )
         protocols[name] = {**asdict(protocol), "pairs": len(dataset)}
 
-    table = format_table(results, {name: protocol.kind for name, (protocol, _) in sets.items()})
-    print(table)
-    output = Path(settings.results_json)
-    record = {
-        "checkpoint": settings.get("checkpoint"),
-        "backbone": OmegaConf.to_container(cfg.backbone, resolve=True),
-        "results": results,
-        "protocol": protocols,
-        "notes": {"kitti": KITTI_NOTE, "averaging": "see flowformer/metrics.py"},
-    }
-    output.write_text(json.dumps(record, indent=2, default=str))
-    log.info("wrote %s", output)
+    print(format_table(results, {name: protocol.kind for name, (protocol, _) in sets.items()}))
+    write_results(cfg, results, protocols)
     return next((values["epe"] for values in results.values() if "epe" in values), None)

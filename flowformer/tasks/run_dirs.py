@@ -8,6 +8,9 @@ tasks, ``torchrun-<rdzv id>`` under torchrun with an ``--rdzv-id``.
 
 :class:`RunDirGuard` (a Hydra callback) checks the directory before Hydra writes into it: it must be creatable
 and writable, and a fresh run (not a process joining its job's directory) must find it empty.
+:func:`ensure_writable_dir` is that check for every output location (the run and checkpoint directories,
+task=eval's, task=infer's and task=convert's outputs); :func:`remove_if_unused` deletes the directory of a run
+that failed before producing anything.
 """
 
 from __future__ import annotations

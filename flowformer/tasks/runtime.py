@@ -1,169 +1,25 @@
-"""What the tasks share: run records, loggers (with wandb resume) and callbacks around Lightning; the
-`runtime` settings of every task that runs the network (GPU matmul precision, torch.compile); and, for the
-tasks that run the network themselves (eval, infer, bench), the device, autocast precision and network."""
+"""Running the network: the `runtime` settings of every task that runs it (GPU matmul precision, the host
+allocator, torch.compile) and, for the tasks that run it themselves (eval, infer, bench), the device, autocast
+precision, free memory and the network with its checkpoint loaded."""
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import platform
-import subprocess
-import sys
 from contextlib import AbstractContextManager, nullcontext
-from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import hydra
-import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.loggers import Logger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from flowformer.models import FlowFormer
 from flowformer.models.checkpoint import load_backbone_weights
 
 log = logging.getLogger(__name__)
-
-WANDB_ID_FILE = "wandb_run_id.txt"
-RECORDED_PACKAGES = (
-    "torch",
-    "lightning",
-    "torchmetrics",
-    "hydra-core",
-    "omegaconf",
-    "timm",
-    "wandb",
-    "numpy",
-    "opencv-python-headless",
-    "flowformer",
-)
-
-
-def checkpoint_dirs(cfg: DictConfig) -> dict[str, Path]:
-    """The `dirpath` of every configured checkpoint callback, by its setting name."""
-    return {
-        f"callbacks.{name}.dirpath": Path(callback_cfg.dirpath)
-        for name, callback_cfg in (cfg.get("callbacks") or {}).items()
-        if callback_cfg is not None and callback_cfg.get("dirpath")
-    }
-
-
-def git_revision(repo_dir: Path) -> dict[str, Any]:
-    """{'sha': ..., 'dirty': bool} of the checkout holding the code, or nulls outside a git checkout."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=repo_dir,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return {"sha": None, "dirty": None}
-    return {"sha": sha, "dirty": bool(status.strip())}
-
-
-def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in RECORDED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-@rank_zero_only
-def write_run_record(cfg: DictConfig, output_dir: Path) -> None:
-    """<run dir>/config_resolved.yaml and <run dir>/run_info.json (git SHA, packages, command line)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    info = {
-        "git": git_revision(Path(__file__).resolve().parent),
-        "packages": package_versions(),
-        "command": sys.argv,
-        "host": platform.node(),
-    }
-    (output_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-
-
-def override_run_name(cfg: DictConfig) -> str:
-    """The command-line overrides as a run name (`model.mask_ratio=0.5,backbone=tiny`), else the experiment."""
-    if HydraConfig.initialized():
-        dirname = HydraConfig.get().job.override_dirname
-        if dirname:
-            return str(dirname)
-    return str(cfg.name)
-
-
-def resolve_monitor(cfg: DictConfig, datamodule: Any) -> str:
-    """cfg.monitor, or val/<first validation set>/epe, or train/loss without validation sets."""
-    if cfg.get("monitor"):
-        return str(cfg.monitor)
-    val_names = list(getattr(datamodule, "val_names", []) or [])
-    return f"val/{val_names[0]}/epe" if val_names else "train/loss"
-
-
-def build_loggers(cfg: DictConfig, output_dir: Path) -> list[Logger]:
-    """Instantiate cfg.logger; a wandb logger gets a run name from the overrides and, when resuming from
-    ckpt_path, the id of the wandb run stored beside that checkpoint (resume='allow')."""
-    loggers: list[Logger] = []
-    for key, logger_cfg in (cfg.get("logger") or {}).items():
-        if logger_cfg is None or "_target_" not in logger_cfg:
-            continue
-        kwargs: dict[str, Any] = {}
-        if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
-            if logger_cfg.get("name") is None:
-                kwargs["name"] = override_run_name(cfg)
-            if logger_cfg.get("id") is None and cfg.get("ckpt_path"):
-                id_file = Path(cfg.ckpt_path).parent / WANDB_ID_FILE
-                if id_file.is_file():
-                    kwargs["id"] = id_file.read_text().strip()
-                    kwargs["resume"] = "allow"
-                    log.info("resuming wandb run %s (from %s)", kwargs["id"], id_file)
-        log.info("logger %s: %s", key, logger_cfg._target_)
-        loggers.append(hydra.utils.instantiate(logger_cfg, **kwargs))
-    return loggers
-
-
-@rank_zero_only
-def record_wandb_id(loggers: list[Logger], checkpoint_dir: Path) -> None:
-    """Store the wandb run id beside the checkpoints, so `ckpt_path=<that dir>/last.ckpt` continues it."""
-    for logger in loggers:
-        if isinstance(logger, WandbLogger):
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (checkpoint_dir / WANDB_ID_FILE).write_text(logger.experiment.id)
-
-
-def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    """The configured callbacks; a progress bar is left out under trainer.enable_progress_bar=false (Lightning
-    refuses a progress-bar callback with the bar switched off)."""
-    callbacks = [
-        hydra.utils.instantiate(callback_cfg)
-        for callback_cfg in (cfg.get("callbacks") or {}).values()
-        if callback_cfg is not None and "_target_" in callback_cfg
-    ]
-    if not cfg.trainer.get("enable_progress_bar", True):
-        callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
-    return callbacks
-
-
-@rank_zero_only
-def log_config(loggers: list[Logger], cfg: DictConfig) -> None:
-    """The whole resolved config as hyperparameters of every logger (wandb's config panel, hparams.yaml)."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    for logger in loggers:
-        logger.log_hyperparams({"config": config})
 
 
 def pick_device(name: str) -> torch.device:
@@ -212,9 +68,9 @@ TRIM_PER_MMAP_THRESHOLD = 4  # free memory kept at the heap's top, in mmap thres
 def configure_host_allocator(threshold_mb: float | None) -> None:
     """`runtime.cpu_mmap_threshold_mb`: CPU tensors of at least this size get a memory map of their own, given
     back to the OS when freed. glibc's default raises its threshold to the largest block freed so far (up to
-    32 MiB) and keeps freed blocks in its heap, where fragmentation holds them: a bounded 440x1024 forward
-    kept 0.1-0.3 GiB resident beyond what it used (README, "Measured"). The heap keeps at most
-    TRIM_PER_MMAP_THRESHOLD thresholds free at its top. None: glibc's default. Linux with glibc only."""
+    32 MiB) and keeps freed blocks in its heap, where fragmentation holds them (docs/performance.md, "Memory
+    budgets and the mmap threshold"). The heap keeps at most TRIM_PER_MMAP_THRESHOLD thresholds free at its top.
+    None: glibc's default. Linux with glibc only."""
     if threshold_mb is None:
         return
     setting = "runtime.cpu_mmap_threshold_mb"

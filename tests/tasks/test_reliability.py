@@ -28,7 +28,7 @@ from flowformer.lit.checkpointing import (
 )
 from flowformer.models.checkpoint import CheckpointReadError
 from flowformer.tasks import run_dirs
-from flowformer.tasks.runtime import build_callbacks
+from flowformer.tasks.run_setup import build_callbacks
 
 from helpers.compose import compose_run_config
 from helpers.configs import REPO_DIR

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
-from flowformer.tasks.runtime import build_callbacks
+from flowformer.tasks.run_setup import build_callbacks
 
 from helpers.compose import compose_run_config
 from helpers.run import run_py

@@ -1,0 +1,209 @@
+"""Preparing a training run (task=train, task=pretrain) around its data and model, in one call: `prepare_run`
+checks the output directories, writes the run record (config_resolved.yaml, run_info.json), resolves the
+monitored metric, checks `ckpt_path`, and builds the trainer with its loggers (a wandb run resumes with its
+checkpoint), callbacks and checkpoint IO."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from flowformer.lit.checkpointing import RandomStates, SafeCheckpointIO, check_resume_checkpoint
+from flowformer.tasks.run_dirs import ensure_writable_dir
+
+log = logging.getLogger(__name__)
+
+WANDB_ID_FILE = "wandb_run_id.txt"
+RECORDED_PACKAGES = (
+    "torch",
+    "lightning",
+    "torchmetrics",
+    "hydra-core",
+    "omegaconf",
+    "timm",
+    "wandb",
+    "numpy",
+    "opencv-python-headless",
+    "flowformer",
+)
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A training run ready to fit: its trainer and the metric it monitors."""
+
+    trainer: L.Trainer
+    monitor: str
+
+
+def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule) -> PreparedRun:
+    """Everything `trainer.fit(model, datamodule)` needs around them, checked before any training: the run and
+    checkpoint directories are writable, the run record is written, cfg.monitor is resolved, `ckpt_path` fits
+    `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
+    resume); the loggers get the whole config, and a wandb run's id is stored beside the checkpoints."""
+    output_dir = check_output_dirs(cfg)
+    write_run_record(cfg, output_dir)
+    monitor = set_monitor(cfg, datamodule)
+    resume = None
+    if cfg.get("ckpt_path"):
+        resume = (cfg.ckpt_path, check_resume_checkpoint(cfg.ckpt_path, model))
+    loggers = build_loggers(cfg)
+    callbacks = [*build_callbacks(cfg), RandomStates()]
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
+    )
+    log_config(loggers, cfg)
+    record_wandb_id(loggers, output_dir / "checkpoints")
+    return PreparedRun(trainer=trainer, monitor=monitor)
+
+
+def check_output_dirs(cfg: DictConfig) -> Path:
+    """Creates the run directory (paths.output_dir) and every configured checkpoint directory, proving each
+    writable; returns the run directory."""
+    output_dir = ensure_writable_dir(cfg.paths.output_dir, "the run directory (hydra.run.dir / paths.output_dir)")
+    for setting, directory in checkpoint_dirs(cfg).items():
+        ensure_writable_dir(directory, f"the checkpoint directory ({setting})")
+    return output_dir
+
+
+def checkpoint_dirs(cfg: DictConfig) -> dict[str, Path]:
+    """The `dirpath` of every configured checkpoint callback, by its setting name."""
+    return {
+        f"callbacks.{name}.dirpath": Path(callback_cfg.dirpath)
+        for name, callback_cfg in (cfg.get("callbacks") or {}).items()
+        if callback_cfg is not None and callback_cfg.get("dirpath")
+    }
+
+
+def git_revision(repo_dir: Path) -> dict[str, Any]:
+    """{'sha': ..., 'dirty': bool} of the checkout holding the code, or nulls outside a git checkout."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo_dir,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"sha": None, "dirty": None}
+    return {"sha": sha, "dirty": bool(status.strip())}
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in RECORDED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+@rank_zero_only
+def write_run_record(cfg: DictConfig, output_dir: Path) -> None:
+    """<run dir>/config_resolved.yaml and <run dir>/run_info.json (git SHA, packages, command line)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    info = {
+        "git": git_revision(Path(__file__).resolve().parent),
+        "packages": package_versions(),
+        "command": sys.argv,
+        "host": platform.node(),
+    }
+    (output_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+
+
+def set_monitor(cfg: DictConfig, datamodule: Any) -> str:
+    """Resolves cfg.monitor in place (the checkpoint callbacks read it): as set, or val/<first validation set>/epe,
+    or train/loss without validation sets; without a validation loop the best checkpoint is written on a step
+    schedule instead (trainer.val_check_interval, else every 1000 steps)."""
+    val_names = list(getattr(datamodule, "val_names", []) or [])
+    monitor = str(cfg.get("monitor") or (f"val/{val_names[0]}/epe" if val_names else "train/loss"))
+    with open_dict(cfg):
+        cfg.monitor = monitor
+        checkpoint_cfg = (cfg.get("callbacks") or {}).get("model_checkpoint")
+        if monitor.startswith("train/") and checkpoint_cfg is not None and not checkpoint_cfg.every_n_train_steps:
+            interval = cfg.trainer.get("val_check_interval")
+            checkpoint_cfg.every_n_train_steps = interval if isinstance(interval, int) else 1000
+    log.info("monitored metric: %s (%s)", monitor, cfg.monitor_mode)
+    return monitor
+
+
+def override_run_name(cfg: DictConfig) -> str:
+    """The command-line overrides as a run name (`model.mask_ratio=0.5,backbone=tiny`), else the experiment."""
+    if HydraConfig.initialized():
+        dirname = HydraConfig.get().job.override_dirname
+        if dirname:
+            return str(dirname)
+    return str(cfg.name)
+
+
+def build_loggers(cfg: DictConfig) -> list[Logger]:
+    """Instantiate cfg.logger; a wandb logger gets a run name from the overrides and, when resuming from
+    ckpt_path, the id of the wandb run stored beside that checkpoint (resume='allow')."""
+    loggers: list[Logger] = []
+    for key, logger_cfg in (cfg.get("logger") or {}).items():
+        if logger_cfg is None or "_target_" not in logger_cfg:
+            continue
+        kwargs: dict[str, Any] = {}
+        if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
+            if logger_cfg.get("name") is None:
+                kwargs["name"] = override_run_name(cfg)
+            if logger_cfg.get("id") is None and cfg.get("ckpt_path"):
+                id_file = Path(cfg.ckpt_path).parent / WANDB_ID_FILE
+                if id_file.is_file():
+                    kwargs["id"] = id_file.read_text().strip()
+                    kwargs["resume"] = "allow"
+                    log.info("resuming wandb run %s (from %s)", kwargs["id"], id_file)
+        log.info("logger %s: %s", key, logger_cfg._target_)
+        loggers.append(hydra.utils.instantiate(logger_cfg, **kwargs))
+    return loggers
+
+
+@rank_zero_only
+def record_wandb_id(loggers: list[Logger], checkpoint_dir: Path) -> None:
+    """Store the wandb run id beside the checkpoints, so `ckpt_path=<that dir>/last.ckpt` continues it."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / WANDB_ID_FILE).write_text(logger.experiment.id)
+
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    """The configured callbacks; a progress bar is left out under trainer.enable_progress_bar=false (Lightning
+    refuses a progress-bar callback with the bar switched off)."""
+    callbacks = [
+        hydra.utils.instantiate(callback_cfg)
+        for callback_cfg in (cfg.get("callbacks") or {}).values()
+        if callback_cfg is not None and "_target_" in callback_cfg
+    ]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
+    return callbacks
+
+
+@rank_zero_only
+def log_config(loggers: list[Logger], cfg: DictConfig) -> None:
+    """The whole resolved config as hyperparameters of every logger (wandb's config panel, hparams.yaml)."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for logger in loggers:
+        logger.log_hyperparams({"config": config})
