@@ -3,68 +3,26 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import hydra
-import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from flowformer.eval.protocol import Protocol, validation_protocol
+from flowformer.lit.base import BackboneModule, check_finite
 from flowformer.lit.images import image_api, log_images
-from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.losses import sequence_loss
-from flowformer.models.checkpoint import current_backbone_config, load_backbone_weights
+from flowformer.models.checkpoint import load_backbone_weights
 from flowformer.viz import flow_panel
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN/inf loss or gradient; raised before the optimiser touches the weights."""
+class FlowModule(BackboneModule):
+    """FlowFormer trained with the official sequence loss. The knobs have no defaults: conf/model/flow.yaml
+    holds them (the chairs stage's); backbone, optimizer, scheduler: `BackboneModule`.
 
-
-def plain_backbone_config(backbone: nn.Module | Mapping[str, Any]) -> dict[str, Any] | None:
-    """The backbone's Hydra config as plain Python values (for checkpoint hyperparameters), or None."""
-    if isinstance(backbone, nn.Module):
-        return None
-    if isinstance(backbone, DictConfig):
-        return OmegaConf.to_container(backbone, resolve=True)
-    return dict(backbone)
-
-
-def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
-    """An nn.Module as is, or a `_target_` mapping (e.g. conf/backbone/*.yaml, or the `backbone` hyper-parameters
-    of a checkpoint, which may hold knobs FlowFormer no longer takes) instantiated by Hydra."""
-    if isinstance(backbone, nn.Module):
-        return backbone
-    if "_target_" not in backbone:
-        raise ValueError(
-            f"model.backbone must be an nn.Module or a config with `_target_` (see conf/backbone/); "
-            f"got keys {sorted(backbone)}"
-        )
-    return hydra.utils.instantiate(current_backbone_config(backbone))
-
-
-def check_finite(value: Tensor, what: str, step: int) -> None:
-    if not torch.isfinite(value).all():
-        raise NonFiniteLossError(
-            f"non-finite {what} ({value.item() if value.numel() == 1 else 'tensor'}) at global step {step}: "
-            "training stopped before the optimiser step, so the weights and the last saved checkpoint are "
-            "intact. Lower model.lr, check the data (NaN/inf flow or images), or resume from the last "
-            "checkpoint with ckpt_path=..."
-        )
-
-
-class FlowModule(L.LightningModule):
-    """FlowFormer trained with the official sequence loss, AdamW + OneCycle; gradient clipping (1.0) comes
-    from the trainer config (`gradient_clip_val`).
-
-    backbone: the network, or its config mapping with `_target_` (Hydra passes conf/backbone/*.yaml with
-        `_recursive_: false`, so the plain config is what the checkpoint's hyperparameters store).
-    total_steps: OneCycle length; None takes trainer.max_steps + 100 as the official loops do.
     gamma, max_flow: sequence-loss weight decay and the validity threshold on |gt| (official: 400).
     train_iters / val_iters: decoder iterations in training and validation (every validation set).
     init_from: checkpoint to initialise the backbone from (ours, an official .pth, or a Lightning .ckpt of a
@@ -78,38 +36,18 @@ class FlowModule(L.LightningModule):
         self,
         *,
         backbone: nn.Module | Mapping[str, Any],
-        lr: float,
-        weight_decay: float,
-        total_steps: int | None = None,
-        pct_start: float = 0.05,
-        gamma: float = 0.8,
-        max_flow: float = 400.0,
-        train_iters: int = 12,
-        val_iters: int = 12,
-        init_from: str | None = None,
-        skip_init_prefixes: tuple[str, ...] | list[str] = (),
-        add_noise: bool = False,
-        num_val_panels: int = 2,
+        optimizer: Mapping[str, Any],
+        scheduler: Mapping[str, Any],
+        gamma: float,
+        max_flow: float,
+        train_iters: int,
+        val_iters: int,
+        init_from: str | None,
+        skip_init_prefixes: Sequence[str],
+        add_noise: bool,
+        num_val_panels: int,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters(
-            {
-                "backbone": plain_backbone_config(backbone),
-                "lr": lr,
-                "weight_decay": weight_decay,
-                "total_steps": total_steps,
-                "pct_start": pct_start,
-                "gamma": gamma,
-                "max_flow": max_flow,
-                "train_iters": train_iters,
-                "val_iters": val_iters,
-                "init_from": init_from,
-                "skip_init_prefixes": list(skip_init_prefixes),
-                "add_noise": add_noise,
-                "num_val_panels": num_val_panels,
-            }
-        )
-        self.backbone = build_backbone(backbone)
+        super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         if init_from is not None:
             report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
             log.info("initialised the backbone from %s: %s", init_from, report)
@@ -162,17 +100,6 @@ class FlowModule(L.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch_size)
         return loss
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Log the gradient norm and refuse to step on NaN/inf gradients (they would poison the weights)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-        )
-        check_finite(grad_norm, "gradient norm", self.global_step)
-        self.log("train/grad_norm", grad_norm)
-
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.val_names[dataloader_idx] if self.val_names else "val"
         if name not in self.val_protocols:  # the loaders of a datamodule without `val_names`: one set `val`
@@ -194,12 +121,3 @@ class FlowModule(L.LightningModule):
             values = metric.compute()
             self.log_dict({f"val/{name}/{k}": v.float() for k, v in values.items()}, sync_dist=False)
             metric.reset()
-
-    def configure_optimizers(self) -> dict:
-        return configure_adamw_onecycle(
-            self,
-            lr=self.hparams.lr,
-            weight_decay=self.hparams.weight_decay,
-            total_steps=self.hparams.total_steps,
-            pct_start=self.hparams.pct_start,
-        )

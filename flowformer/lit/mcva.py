@@ -7,14 +7,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flowformer.lit.flow import build_backbone, check_finite, plain_backbone_config
+from flowformer.lit.base import BackboneModule, check_finite
 from flowformer.lit.images import image_api, log_images
-from flowformer.lit.optim import configure_adamw_onecycle
 from flowformer.models.mcva import (
     CostMaskGenerator,
     MaskingStrategy,
@@ -65,7 +63,7 @@ def mask_panel(removed: Tensor, h1: int, w1: int) -> np.ndarray:
     return (image * 255).to(torch.uint8).numpy()
 
 
-class MCVAPretrainModule(L.LightningModule):
+class MCVAPretrainModule(BackboneModule):
     """Masked Cost Volume Autoencoding: the cost encoder, the decoder's cost query and the reconstruction head
     learn to rebuild S x S cost-map windows around random locations from a masked cost volume.
 
@@ -73,8 +71,7 @@ class MCVAPretrainModule(L.LightningModule):
     network's ablation knobs (decoder_query, recon_size, recon_head_depth) are backbone knobs instead.
 
     backbone: a FlowFormer with variant="flowformer_pp" (it has `pretrain_head`), or its config mapping.
-    lr, weight_decay, total_steps, pct_start: AdamW + linear OneCycle; total_steps None takes
-        trainer.max_steps + 100 as the official loop does. Gradient clipping 1.0 comes from the trainer config.
+    optimizer, scheduler: `BackboneModule` (only the trainable parameters are optimised).
     masking, mask_ratio, min_block, max_block: the cost-volume mask (CostMaskGenerator); exactly
         int(L * (1 - mask_ratio)) of the L patch tokens per source pixel stay visible.
     recon_location: "random" (the method) or "fixed" (MAE-style: each source pixel's own position).
@@ -89,10 +86,8 @@ class MCVAPretrainModule(L.LightningModule):
         self,
         *,
         backbone: nn.Module | Mapping[str, Any],
-        lr: float,
-        weight_decay: float,
-        total_steps: int | None,
-        pct_start: float,
+        optimizer: Mapping[str, Any],
+        scheduler: Mapping[str, Any],
         masking: MaskingStrategy,
         mask_ratio: float,
         min_block: int,
@@ -105,31 +100,10 @@ class MCVAPretrainModule(L.LightningModule):
         log_images_every_n_steps: int,
         num_logged_patches: int,
     ) -> None:
-        super().__init__()
+        super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         self.objective = ReconstructionObjective(
             recon_location=recon_location, query_num=query_num, normalize=normalize
         )
-        self.save_hyperparameters(
-            {
-                "backbone": plain_backbone_config(backbone),
-                "lr": lr,
-                "weight_decay": weight_decay,
-                "total_steps": total_steps,
-                "pct_start": pct_start,
-                "masking": masking,
-                "mask_ratio": mask_ratio,
-                "min_block": min_block,
-                "max_block": max_block,
-                "recon_location": recon_location,
-                "query_num": query_num,
-                "normalize": normalize,
-                "freeze_image_encoder": freeze_image_encoder,
-                "freeze_context_encoder": freeze_context_encoder,
-                "log_images_every_n_steps": log_images_every_n_steps,
-                "num_logged_patches": num_logged_patches,
-            }
-        )
-        self.backbone = build_backbone(backbone)
         if not hasattr(self.backbone, "pretrain_head"):
             raise ValueError(
                 "model=mcva needs a backbone with the reconstruction head: use a flowformer_pp variant "
@@ -140,19 +114,23 @@ class MCVAPretrainModule(L.LightningModule):
         )
         self._rngs: dict[str, torch.Generator] = {}
         self._pending_rng_states: dict[str, Tensor] = {}
-        self.frozen_modules: list[nn.Module] = []
-        if freeze_image_encoder:
-            self.frozen_modules += list(self.backbone.feature_encoder_modules())
-        if freeze_context_encoder:
-            self.frozen_modules += list(self.backbone.context_encoder_modules())
-        for module in self.frozen_modules:
+        self.frozen_modules = self._freeze_encoders(freeze_image_encoder, freeze_context_encoder)
+
+    def _freeze_encoders(self, image: bool, context: bool) -> list[nn.Module]:
+        """Stops the gradients of the image and/or context encoder; returns the frozen modules."""
+        frozen = [
+            *(self.backbone.feature_encoder_modules() if image else []),
+            *(self.backbone.context_encoder_modules() if context else []),
+        ]
+        for module in frozen:
             module.requires_grad_(False)
         log.info(
             "MCVA: %d trainable backbone parameters (frozen: image encoder=%s, context encoder=%s)",
-            sum(p.numel() for p in self.backbone.parameters() if p.requires_grad),
-            freeze_image_encoder,
-            freeze_context_encoder,
+            sum(p.numel() for p in self.trainable_parameters()),
+            image,
+            context,
         )
+        return frozen
 
     def train(self, mode: bool = True) -> MCVAPretrainModule:
         """Frozen encoders stay in eval mode, so a CNN encoder's BatchNorm statistics stay frozen too."""
@@ -257,12 +235,3 @@ class MCVAPretrainModule(L.LightningModule):
                 self.global_step,
             )
         return output.loss
-
-    def configure_optimizers(self) -> dict:
-        return configure_adamw_onecycle(
-            self,
-            lr=self.hparams.lr,
-            weight_decay=self.hparams.weight_decay,
-            total_steps=self.hparams.total_steps,
-            pct_start=self.hparams.pct_start,
-        )

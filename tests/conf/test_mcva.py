@@ -27,7 +27,8 @@ def test_mcva_pretrain_is_the_official_recipe():
     assert cfg.trainer.gradient_clip_val == 1.0 and cfg.trainer.accelerator == "gpu"
     model = cfg.model
     assert model._target_ == "flowformer.lit.mcva.MCVAPretrainModule"
-    assert (model.lr, model.weight_decay, model.pct_start, model.total_steps) == (5e-4, 1e-5, 0.05, None)
+    assert (model.optimizer.lr, model.optimizer.weight_decay) == (5e-4, 1e-5)
+    assert (model.scheduler.pct_start, model.scheduler.total_steps) == (0.05, None)
     assert (model.masking, model.mask_ratio, model.min_block, model.max_block) == ("block", 0.5, 4, 15)
     assert (model.recon_location, model.query_num, model.normalize) == ("random", 30, "target")
     assert model.freeze_image_encoder and model.freeze_context_encoder

@@ -48,11 +48,12 @@ def test_stage_hyperparameters(stage: str, variant: str) -> None:
     assert cfg.backbone.variant == variant
     assert cfg.hydra.runtime.choices["data"] == data
     assert cfg.model._target_ == "flowformer.lit.flow.FlowModule"
-    assert cfg.model.lr == pytest.approx(lr)
-    assert cfg.model.weight_decay == pytest.approx(wd)
+    assert cfg.model.optimizer.lr == pytest.approx(lr)
+    assert cfg.model.optimizer.weight_decay == pytest.approx(wd)
     assert cfg.model.gamma == pytest.approx(gammas[variant])
     assert cfg.model.add_noise is (variant == "flowformer")  # FF always adds pixel noise, FF++ never
-    assert cfg.model.total_steps is None and cfg.model.pct_start == pytest.approx(0.05)  # OneCycle max+100
+    scheduler = cfg.model.scheduler
+    assert scheduler.total_steps is None and scheduler.pct_start == pytest.approx(0.05)  # OneCycle max+100
     assert cfg.model.train_iters == 12 and cfg.model.val_iters == 12
     assert cfg.model.max_flow == pytest.approx(400.0)
     assert cfg.trainer.max_steps == steps
@@ -151,4 +152,4 @@ def test_stage_model_instantiates(stage: str) -> None:
     module = hydra.utils.instantiate(cfg.model)
     assert isinstance(module, FlowModule)
     assert module.hparams.gamma == pytest.approx(STAGES[stage][5][cfg.backbone.variant])
-    assert module.hparams.lr == pytest.approx(STAGES[stage][1])
+    assert module.hparams.optimizer["lr"] == pytest.approx(STAGES[stage][1])

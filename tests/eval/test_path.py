@@ -22,7 +22,7 @@ from flowformer.models import save_backbone
 from flowformer.tasks import infer
 from flowformer.tasks.eval import evaluate_set
 
-from helpers.configs import CONF_DIR
+from helpers.configs import CONF_DIR, flow_settings
 
 CPU = torch.device("cpu")
 
@@ -70,7 +70,7 @@ def test_validation_and_task_eval_report_the_same_metrics_for_the_same_predictio
         "kitti": EvalSet(PairsWithInvalidPixels([(30, 44), (27, 52)], seed=10), kind="kitti"),
     }
     torch.manual_seed(0)
-    module = FlowModule(backbone=ImageFlowNet(), lr=1e-4, weight_decay=0.0, val_iters=3)
+    module = FlowModule(backbone=ImageFlowNet(), **flow_settings(val_iters=3))
     trainer = L.Trainer(
         accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
     )

@@ -1,12 +1,13 @@
 """The configs and networks the tests share: the repository, its conf/ folder and the official fixtures; the
 backbones of conf/backbone/ (the tiny one above all) as plain configs and as built networks; the MCVA module's
-settings of conf/model/mcva.yaml."""
+and FlowModule's settings of conf/model/."""
 
+import copy
 from functools import cache
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from flowformer.models import FlowFormer, build_flowformer
 from flowformer.models.mcva import CostMaskGenerator
@@ -40,13 +41,32 @@ def build_backbone(name: str = "tiny", **overrides) -> FlowFormer:
     return build_flowformer(**backbone_kwargs(name, **overrides))
 
 
-def mcva_settings(**overrides) -> dict:
-    """MCVAPretrainModule's settings of conf/model/mcva.yaml (without `_target_` and the backbone), with
-    `overrides` applied."""
-    config = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "mcva.yaml"))
-    for key in ("_target_", "_recursive_", "backbone"):
+@cache
+def _composed_model(name: str) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR / "model"), version_base="1.3"):
+        config = compose(config_name=name)
+    with open_dict(config):
+        del config["backbone"]  # `${backbone}`: the run config's backbone, which the tests pass themselves
+    return OmegaConf.to_container(config, resolve=True)
+
+
+def model_settings(name: str, **overrides) -> dict:
+    """The module settings of conf/model/<name>.yaml with its optimizer and scheduler (without `_target_` and
+    the backbone), with `overrides` applied."""
+    config = copy.deepcopy(_composed_model(name))
+    for key in ("_target_", "_recursive_"):
         config.pop(key)
     return {**config, **overrides}
+
+
+def flow_settings(**overrides) -> dict:
+    """FlowModule's settings of conf/model/flow.yaml, with `overrides` applied."""
+    return model_settings("flow", **overrides)
+
+
+def mcva_settings(**overrides) -> dict:
+    """MCVAPretrainModule's settings of conf/model/mcva.yaml, with `overrides` applied."""
+    return model_settings("mcva", **overrides)
 
 
 def mask_generator(**overrides) -> CostMaskGenerator:

@@ -12,10 +12,12 @@ from torch.utils.data import DataLoader, default_collate
 
 from flowformer.data.synthetic import SyntheticFlowDataset
 from flowformer.eval.protocol import EvalSet
-from flowformer.lit.flow import FlowModule, NonFiniteLossError
+from flowformer.lit.base import NonFiniteLossError
+from flowformer.lit.flow import FlowModule
 from flowformer.models.checkpoint import LIGHTNING_PREFIX
 
-from helpers.configs import backbone_config
+from helpers.configs import backbone_config, flow_settings
+from helpers.trainers import cpu_trainer
 
 SIZE = (64, 96)
 
@@ -35,14 +37,12 @@ class FixedOrderData(L.LightningDataModule):
 
 
 def make_module(**overrides) -> FlowModule:
-    settings = {"lr": 4e-4, "weight_decay": 1e-4, "train_iters": 2, "val_iters": 2, **overrides}
-    return FlowModule(backbone=backbone_config(), **settings)
+    return FlowModule(backbone=backbone_config(), **flow_settings(train_iters=2, val_iters=2, **overrides))
 
 
 def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2, logger=False) -> L.Trainer:
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, every_n_train_steps=every_n)
-    return L.Trainer(
-        accelerator="cpu",
+    return cpu_trainer(
         max_steps=max_steps,
         max_epochs=-1,
         val_check_interval=2,
@@ -50,8 +50,7 @@ def make_trainer(tmp_path: Path, max_steps: int, callbacks=(), every_n: int = 2,
         num_sanity_val_steps=0,
         gradient_clip_val=1.0,
         logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[checkpoint, *callbacks],
         default_root_dir=tmp_path,
     )

@@ -1,6 +1,5 @@
 """MCVAPretrainModule on the tiny backbone: replayable draws, freezing, masked tokenisation, rounds, knobs, logging."""
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -16,6 +15,7 @@ from flowformer.models.mcva import (
 )
 
 from helpers.configs import backbone_config, mask_generator, mcva_settings, refuse_dense_volume
+from helpers.trainers import cpu_trainer
 
 H, W = 96, 128  # 1/8 res: 12 x 16 source pixels, 2 x 2 cost-map tokens each
 
@@ -264,11 +264,10 @@ def test_training_logs_loss_lr_visible_ratio_and_pictures(tmp_path):
     module = make_module(query_num=2, log_images_every_n_steps=1, num_logged_patches=3)
     image_logger = ImageLogger()
     csv = CSVLogger(tmp_path)  # no image API: it only gets the scalars
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, logger=[image_logger, csv], log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=1.0, default_root_dir=tmp_path,
-    )  # fmt: skip
+    loggers = [image_logger, csv]
+    trainer = cpu_trainer(
+        max_steps=2, logger=loggers, log_every_n_steps=1, gradient_clip_val=1.0, default_root_dir=tmp_path
+    )
     trainer.fit(module, pair_loader())
     for key in ("train/loss", "train/lr", "train/visible_ratio", "train/loss_per_round"):
         assert key in image_logger.metrics, key

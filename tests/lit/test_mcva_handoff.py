@@ -5,7 +5,6 @@ skipped reconstruction-head keys reported."""
 import logging
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -16,7 +15,8 @@ from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.models import load_backbone_weights
 from flowformer.models.checkpoint import CheckpointMismatchError
 
-from helpers.configs import FIXTURES_DIR, backbone_config, mcva_settings
+from helpers.configs import FIXTURES_DIR, backbone_config, flow_settings, mcva_settings
+from helpers.trainers import cpu_trainer
 
 FIXTURE_C = FIXTURES_DIR / "flowformer_pp_c"
 HEAD = "memory_decoder.pretrain_head."
@@ -33,12 +33,9 @@ def pretrained(tmp_path_factory) -> tuple[Path, dict]:
     before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
     images = torch.rand(4, 3, 64, 96) * 255
     items = [{"img1": images[i], "img2": images[i].roll(2, -1)} for i in range(4)]
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=root, save_last=True)],
         gradient_clip_val=1.0,
         default_root_dir=root,
@@ -52,7 +49,7 @@ def pretrained(tmp_path_factory) -> tuple[Path, dict]:
 def test_finetuning_loads_our_pretraining_checkpoint_strictly(pretrained):
     path, weights = pretrained
     assert torch.load(path, weights_only=True)["hyper_parameters"]["query_num"] == 2  # plain values only
-    finetune = FlowModule(backbone=backbone_config(), lr=1e-4, weight_decay=1e-4, init_from=str(path))
+    finetune = FlowModule(backbone=backbone_config(), **flow_settings(init_from=str(path)))
     state = finetune.backbone.state_dict()
     assert state.keys() == weights.keys()
     assert all(torch.equal(state[k], weights[k]) for k in weights)
@@ -66,10 +63,10 @@ def test_a_different_reconstruction_head_is_skipped_and_reported(pretrained, cap
     path, weights = pretrained
     other_head = backbone_config(recon_size=25)
     with pytest.raises(CheckpointMismatchError, match="pretrain_head"):
-        FlowModule(backbone=other_head, lr=1e-4, weight_decay=1e-4, init_from=str(path))
+        FlowModule(backbone=other_head, **flow_settings(init_from=str(path)))
     with caplog.at_level(logging.INFO):
         finetune = FlowModule(
-            backbone=other_head, lr=1e-4, weight_decay=1e-4, init_from=str(path), skip_init_prefixes=[HEAD]
+            backbone=other_head, **flow_settings(init_from=str(path), skip_init_prefixes=[HEAD])
         )
     assert HEAD + "4.weight" in caplog.text  # the skipped keys are reported
     state = finetune.backbone.state_dict()
@@ -88,7 +85,7 @@ def test_finetuning_loads_an_official_flowformer_pp_pretraining_state_dict():
         pytest.skip(f"fixture C not found at {FIXTURE_C}")
     official = {k.removeprefix("module."): v for k, v in torch.load(path, weights_only=True).items()}
     finetune = FlowModule(
-        backbone=backbone_config("flowformer_pp"), lr=1e-4, weight_decay=1e-4, init_from=str(path)
+        backbone=backbone_config("flowformer_pp"), **flow_settings(init_from=str(path))
     )
     state = finetune.backbone.state_dict()
     assert state.keys() == official.keys()

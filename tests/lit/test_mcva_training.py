@@ -12,6 +12,7 @@ from flowformer.lit.mcva import MCVAPretrainModule
 
 from helpers.configs import mcva_settings
 from helpers.run import run_py
+from helpers.trainers import cpu_trainer
 
 # predicting 0 for a per-pixel normalised 225-value window costs (C-1)/C ~= 0.9956 per round
 ZERO_PREDICTION_LOSS = 224 / 225
@@ -32,16 +33,7 @@ def test_reconstruction_loss_falls_within_thirty_steps_on_synthetic_clips(tiny_c
     )
     clips = SyntheticVideoDataset(num_samples=64, size=(64, 96), seed=0)
     recorder = LossRecorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=30,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=1.0,
-        callbacks=[recorder],
-    )
+    trainer = cpu_trainer(max_steps=30, gradient_clip_val=1.0, callbacks=[recorder])
     trainer.fit(module, DataLoader(clips, batch_size=2, shuffle=True))
     first, last = sum(recorder.losses[:5]) / 5, sum(recorder.losses[-5:]) / 5
     assert len(recorder.losses) == 30 and last < 0.5 * first, recorder.losses

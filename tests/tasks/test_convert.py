@@ -17,6 +17,8 @@ from flowformer.models import export_official, load_backbone_weights
 from flowformer.models.encoders import TwinsEncoder
 from flowformer.tasks import run_task
 
+from helpers.configs import flow_settings
+
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
 
@@ -85,7 +87,7 @@ def test_to_official_refuses_an_official_file(tmp_path, capsys):
 
 
 def test_to_official_names_a_lightning_checkpoint_without_its_backbone_config(tmp_path, capsys):
-    module = FlowModule(backbone=hydra.utils.instantiate(config().backbone), lr=1e-4, weight_decay=1e-4)
+    module = FlowModule(backbone=hydra.utils.instantiate(config().backbone), **flow_settings())
     last = save_lightning_checkpoint(module, tmp_path / "last.ckpt")
     with pytest.raises(SystemExit) as exit_info:
         convert(last, tmp_path / "official.pth", "convert.to_official=true")
