@@ -1,5 +1,6 @@
 """The stage experiments compose to the official hyperparameters: configs/{default,things,sintel,kitti}.py of
-FlowFormer and FlowFormer++ and the stages of their core/datasets.py fetch_dataloader."""
+FlowFormer and FlowFormer++ and the stages of their core/datasets.py fetch_dataloader; each states only what
+differs from the defaults of its config groups."""
 
 from pathlib import Path
 
@@ -7,11 +8,13 @@ import cv2
 import hydra
 import numpy as np
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
 from flowformer.data.io import write_flo, write_kitti_flow
 from flowformer.lit.flow import FlowModule
 
 from helpers.compose import compose_run_config
+from helpers.configs import CONF_DIR
 
 # stage -> (data, lr, weight decay, steps, batch, {variant: gamma}, validation sets)
 STAGES = {
@@ -153,3 +156,35 @@ def test_stage_model_instantiates(stage: str) -> None:
     assert isinstance(module, FlowModule)
     assert module.hparams.gamma == pytest.approx(STAGES[stage][5][cfg.backbone.variant])
     assert module.hparams.optimizer["lr"] == pytest.approx(STAGES[stage][1])
+
+
+def plain(value):
+    return OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+
+
+def stated_values(node: DictConfig, prefix: str):
+    """(dotted key, value) of every value an experiment file writes out (interpolations are references)."""
+    for key in node:
+        path = f"{prefix}.{key}"
+        if OmegaConf.is_interpolation(node, key):
+            continue
+        if isinstance(node[key], DictConfig):
+            yield from stated_values(node[key], path)
+        else:
+            yield path, plain(node[key])
+
+
+@pytest.mark.parametrize("experiment", [*STAGES, "mcva_pretrain"])
+def test_stage_experiments_state_only_what_differs_from_the_defaults(experiment: str) -> None:
+    groups = ("backbone", "model", "data", "trainer", "callbacks", "eval")
+    choices = compose_run_config([f"experiment={experiment}"]).hydra.runtime.choices
+    defaults = compose_run_config([f"{group}={choices[group]}" for group in groups])
+    stated = OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml")
+    for group in groups:
+        for key, value in stated_values(stated.get(group, DictConfig({})), group):
+            assert plain(OmegaConf.select(defaults, key)) != value, f"{key}: {value} is the default"
+
+
+def test_validation_takes_the_training_iterations_unless_set():
+    assert compose_run_config(["experiment=things", "model.train_iters=5"]).model.val_iters == 5
+    assert compose_run_config(["model.train_iters=5", "model.val_iters=7"]).model.val_iters == 7
