@@ -16,6 +16,7 @@ from flowformer.data.io import write_kitti_flow
 from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
 
 from helpers.configs import CONF_DIR
+from helpers.trainers import cpu_trainer
 from helpers.trees import (
     chairs_tree,
     frames_folder,
@@ -141,15 +142,7 @@ class _Recorder(L.LightningModule):
 
 def _fit(datamodule: L.LightningDataModule) -> _Recorder:
     model = _Recorder()
-    trainer = L.Trainer(
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        accelerator="cpu",
-    )
+    trainer = cpu_trainer(max_steps=2, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=datamodule)
     return model
 

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import cv2
 import hydra
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -23,6 +22,7 @@ from flowformer.tasks import infer
 from flowformer.tasks.eval import evaluate_set
 
 from helpers.configs import CONF_DIR, flow_settings
+from helpers.trainers import cpu_trainer
 
 CPU = torch.device("cpu")
 
@@ -71,9 +71,7 @@ def test_validation_and_task_eval_report_the_same_metrics_for_the_same_predictio
     }
     torch.manual_seed(0)
     module = FlowModule(backbone=ImageFlowNet(), **flow_settings(val_iters=3))
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
-    )
+    trainer = cpu_trainer(enable_checkpointing=True)
     trainer.validate(module, datamodule=FlowDataModule(val=sets, val_batch_size=1))
     logged = {key: value.item() for key, value in trainer.callback_metrics.items()}
 

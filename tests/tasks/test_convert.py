@@ -18,6 +18,7 @@ from flowformer.models.encoders import TwinsEncoder
 from flowformer.tasks import run_task
 
 from helpers.configs import flow_settings
+from helpers.trainers import cpu_trainer
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -43,9 +44,7 @@ def convert(src: Path, dst: Path, *overrides: str) -> None:
 
 def save_lightning_checkpoint(module: L.LightningModule, path: Path) -> Path:
     """The module's Lightning checkpoint, the whole training state as a run's checkpoints/last.ckpt holds it."""
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
+    trainer = cpu_trainer()
     trainer.strategy.connect(module)
     trainer.save_checkpoint(path, weights_only=False)
     return path

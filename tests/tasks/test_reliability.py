@@ -33,6 +33,7 @@ from flowformer.tasks.run_setup import build_callbacks
 from helpers.compose import compose_run_config
 from helpers.configs import REPO_DIR
 from helpers.run import run_py
+from helpers.trainers import cpu_trainer
 
 
 class GetsWorse(L.LightningModule):
@@ -56,16 +57,10 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4)
 
 
-def quiet_trainer(**settings) -> L.Trainer:
-    """A CPU trainer without logger, progress bar or model summary."""
-    return L.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **settings
-    )
-
-
 def test_last_checkpoint_is_the_final_state_when_validation_got_worse(tmp_path):
     cfg = compose_run_config(["debug=tiny", f"paths.output_dir={tmp_path}", "monitor=val/metric"])
-    trainer = quiet_trainer(
+    trainer = cpu_trainer(
+        enable_checkpointing=True,
         max_steps=5,  # the run ends between validations (every 2 steps), after a worse one at step 4
         val_check_interval=2,
         check_val_every_n_epoch=None,
@@ -91,7 +86,8 @@ def test_last_checkpoint_is_written_every_n_steps(tmp_path, caplog):
             if (tmp_path / "last.ckpt").is_file():
                 steps.append(torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"])
 
-    trainer = quiet_trainer(
+    trainer = cpu_trainer(
+        enable_checkpointing=True,
         max_steps=7,
         limit_val_batches=0,
         callbacks=[Record(), LastCheckpoint(tmp_path, every_n_train_steps=3)],
@@ -113,7 +109,8 @@ def test_last_checkpoint_is_written_when_max_time_stops_the_run(tmp_path):
             time.sleep(0.2)
             return super().training_step(batch, batch_idx)
 
-    trainer = quiet_trainer(
+    trainer = cpu_trainer(
+        enable_checkpointing=True,
         max_time={"seconds": 1},
         max_epochs=-1,
         limit_val_batches=0,
@@ -170,7 +167,7 @@ def malicious_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
 def test_resume_loads_plain_values_whatever_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     path, payload = malicious_checkpoint(tmp_path)
-    trainer = quiet_trainer(max_steps=1, plugins=[SafeCheckpointIO()])
+    trainer = cpu_trainer(enable_checkpointing=True, max_steps=1, plugins=[SafeCheckpointIO()])
     with pytest.raises(CheckpointReadError):
         trainer.fit(GetsWorse(), train_dataloaders=loader(), ckpt_path=path)
     assert not payload.exists()
