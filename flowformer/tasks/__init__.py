@@ -4,17 +4,20 @@ User-facing errors (a missing dataset root, an unreadable file, a NaN loss, a ch
 the backbone, an output location that cannot be written) are printed once, as one clear line on stderr (and
 into run.log), and exit with status 1 instead of a traceback; FLOWFORMER_TRACEBACK=1 prints the whole
 traceback before that line. A run that fails before producing anything leaves no run directory behind. Loggers
-are always closed, also on error.
+are always closed, also on error. In a multirun a failed job (also one failing from a bug, whose traceback is
+printed) is recorded and the sweep goes on (flowformer/tasks/sweeps.py).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -22,6 +25,7 @@ from omegaconf import DictConfig
 from flowformer.lit.checkpointing import CheckpointWriteError
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 from flowformer.tasks.runtime import configure_runtime
+from flowformer.tasks.sweeps import in_multirun, record_failed_job
 
 log = logging.getLogger(__name__)
 
@@ -47,39 +51,49 @@ def close_loggers() -> None:
 
 
 def run_task(cfg: DictConfig) -> float | None:
-    """Run `cfg.task`; return its metric (for sweepers) or None."""
-    task = cfg.get("task")
-    if task not in TASKS:
-        raise SystemExit(f"error: task={task!r} is unknown; choose one of {', '.join(TASKS)}")
-    module = importlib.import_module(f"flowformer.tasks.{task}")
+    """Run `cfg.task`; return its metric (for sweepers) or None. A failed job of a multirun is recorded in the
+    sweep directory and returns NaN, so the sweep goes on with its next job (flowformer/tasks/sweeps.py)."""
     if logging.getLogger().handlers:
         # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line.
         logging.getLogger("lightning").handlers.clear()
     try:
+        module = task_module(cfg.get("task"))
         configure_runtime(cfg.runtime)
         return module.run(cfg)
     except Exception as error:
         user_error = find_user_error(error)
-        if user_error is None:
+        if user_error is None and not in_multirun():
             raise
-        if os.environ.get("FLOWFORMER_TRACEBACK"):
+        if user_error is None or os.environ.get("FLOWFORMER_TRACEBACK"):
             traceback.print_exception(error)
-        report(user_error)
-        if HydraConfig.initialized() and not joins_existing_run():
+        error_line = report(user_error or error)
+        if user_error is not None and HydraConfig.initialized() and not joins_existing_run():
             remove_if_unused(Path(HydraConfig.get().runtime.output_dir))
+        if in_multirun():
+            record_failed_job(error_line)
+            return math.nan
         raise SystemExit(1) from None
     finally:
         close_loggers()
 
 
-def report(error: BaseException) -> None:
-    """The error once on stderr, and into the log files (run.log) without repeating it on the console."""
+def task_module(task: object) -> ModuleType:
+    """flowformer.tasks.<task>, or a ValueError listing the tasks."""
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is unknown; choose one of {', '.join(TASKS)}")
+    return importlib.import_module(f"flowformer.tasks.{task}")
+
+
+def report(error: BaseException) -> str:
+    """The error once on stderr, and into the log files (run.log) without repeating it on the console; returns
+    the line."""
     message = f"error ({type(error).__name__}): {error}"
     print(message, file=sys.stderr)
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+    return message
 
 
 def find_user_error(error: BaseException) -> BaseException | None:

@@ -1,0 +1,65 @@
+"""A multirun (`python run.py -m ...`) runs every job, also after one fails.
+
+A job that fails is reported as a single run's error is (one line on stderr and in its run.log), recorded as
+one JSON line in ``<sweep dir>/failed_jobs.jsonl`` (job number, overrides, the error line, its directory) and
+hands the sweeper NaN, never a best value; the sweep goes on with the next job. :class:`FailedJobsReport` (a
+Hydra callback, ``conf/hydra/default.yaml``) names the failed jobs when the sweep ends and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+FAILED_JOBS = "failed_jobs.jsonl"
+
+
+def in_multirun() -> bool:
+    """True inside a job of `python run.py -m ...`."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+@rank_zero_only
+def record_failed_job(error_line: str) -> None:
+    """Appends this job (its number, overrides, error line and directory, null when it was removed as unused)
+    to the sweep's failed_jobs.jsonl."""
+    hydra_cfg = HydraConfig.get()
+    record = {
+        "job": hydra_cfg.job.num,
+        "overrides": list(hydra_cfg.overrides.task),
+        "error": error_line,
+        "dir": hydra_cfg.runtime.output_dir if Path(hydra_cfg.runtime.output_dir).is_dir() else None,
+    }
+    with open(Path(hydra_cfg.sweep.dir) / FAILED_JOBS, "a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def failed_jobs(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a sweep's failed jobs, in the order they failed."""
+    path = Path(sweep_dir) / FAILED_JOBS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class FailedJobsReport(Callback):
+    """When a sweep ends: one line naming its failed jobs and where they are recorded, and exit status 1."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failed = failed_jobs(config.hydra.sweep.dir)
+        if failed:
+            jobs = ", ".join(f"#{record['job']} ({' '.join(record['overrides'])})" for record in failed)
+            path = Path(config.hydra.sweep.dir) / FAILED_JOBS
+            print(
+                f"error: {len(failed)} job(s) of this sweep failed: {jobs}; overrides and errors in {path}",
+                file=sys.stderr,
+            )
+            raise SystemExit(1)
