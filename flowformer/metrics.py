@@ -14,7 +14,9 @@ Definitions (the official ``core/loss.py`` and ``evaluate_FlowFormer.py``):
   and the KITTI benchmark use AND; the paper's text says "or").
 - Sintel speed bins: EPE over pixels with ``|f_gt|`` in [0, 10), [10, 40) and [40, inf).
 
-The bundles at the end (``SET_METRICS``, one per metric kind) are what validation and task=eval report.
+The bundles at the end (``SET_METRICS``, one per metric kind) are what validation and task=eval report. A
+metric is never computed over nothing: ``compute`` without a single scored pixel (or image) raises
+:class:`NothingScoredError` instead of reporting 0.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ SPEED_BINS: tuple[tuple[str, float, float], ...] = (
     ("s10-40", 10.0, 40.0),
     ("s40+", 40.0, float("inf")),
 )
+
+
+class NothingScoredError(ValueError):
+    """A metric was asked for its value without a single scored pixel or image."""
 
 
 def endpoint_error(pred: Tensor, gt: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,13 +107,14 @@ class FlowMetrics(Metric):
         self.count += e.numel()
 
     def compute(self) -> dict[str, Tensor]:
-        n = self.count.clamp_min(1.0)
+        if self.count == 0:
+            raise NothingScoredError("no pixel was scored (no pair, or no valid pixel within max_flow)")
         return {
-            "epe": self.epe_sum / n,
-            "1px": self.lt1 / n,
-            "3px": self.lt3 / n,
-            "5px": self.lt5 / n,
-            "f1_all": 100.0 * self.outliers / n,
+            "epe": self.epe_sum / self.count,
+            "1px": self.lt1 / self.count,
+            "3px": self.lt3 / self.count,
+            "5px": self.lt5 / self.count,
+            "f1_all": 100.0 * self.outliers / self.count,
         }
 
 
@@ -169,8 +176,9 @@ class PerImageMetrics(Metric):
         self.images += has_px.sum()
 
     def compute(self) -> dict[str, Tensor]:
-        images = self.images.clamp_min(1.0)
-        return {"epe_per_image": self.epe_sum / images, "f1_all_per_image": 100.0 * self.f1_sum / images}
+        if self.images == 0:
+            raise NothingScoredError("no image was scored (no pair, or no image with a valid pixel)")
+        return {"epe_per_image": self.epe_sum / self.images, "f1_all_per_image": 100.0 * self.f1_sum / self.images}
 
 
 class SetMetrics(nn.Module):

@@ -9,6 +9,7 @@ from flowformer.metrics import (
     FlowMetrics,
     FlowSetMetrics,
     KittiSetMetrics,
+    NothingScoredError,
     PerImageMetrics,
     SintelSetMetrics,
     SpeedBinnedEPE,
@@ -124,3 +125,15 @@ def test_shape_errors_are_clear() -> None:
         FlowMetrics().update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 5))
     with pytest.raises(ValueError, match="valid mask"):
         FlowMetrics().update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), torch.ones(1, 4, 5))
+
+
+@pytest.mark.filterwarnings("ignore:The ``compute`` method")
+def test_a_metric_over_nothing_is_an_error_not_zero() -> None:
+    """No pair, or no valid pixel: compute() refuses instead of reporting EPE 0 (which a sweep would pick)."""
+    for metric in (FlowMetrics(), PerImageMetrics(), KittiSetMetrics()):
+        with pytest.raises(NothingScoredError):
+            metric.compute()
+    no_valid_pixel = KittiSetMetrics()
+    no_valid_pixel.update(PRED, GT, torch.zeros(1, 1, 4))
+    with pytest.raises(NothingScoredError, match="no pixel was scored"):
+        no_valid_pixel.compute()

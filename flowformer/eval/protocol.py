@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -29,6 +30,17 @@ KINDS = (*SET_METRICS, *SUBMISSION_KINDS)
 
 # net(image1 [B,3,H,W], image2, iters=..., **kwargs) -> {"flow": [B,2,H,W], "flow_low": [B,2,H/8,W/8], ...}
 FlowNet = Callable[..., Mapping[str, Tensor]]
+
+
+def require_finite_flow(flow: Tensor, pair: str) -> None:
+    """A FloatingPointError naming `pair` when a predicted flow holds NaN or inf: such a flow is never scored or
+    written (task=eval and task=infer check every pair)."""
+    non_finite = int((~torch.isfinite(flow)).sum())
+    if non_finite:
+        raise FloatingPointError(
+            f"{pair}: the network predicted a non-finite flow ({non_finite} of {flow.numel()} values NaN or inf); "
+            "check the checkpoint's weights"
+        )
 
 
 def _check_kind(kind: str | None, allow_none: bool = False) -> None:

@@ -13,6 +13,7 @@ from flowformer.eval.protocol import Protocol, validation_protocol
 from flowformer.lit.base import BackboneModule, check_finite
 from flowformer.lit.images import image_api, log_images
 from flowformer.losses import sequence_loss
+from flowformer.metrics import NothingScoredError
 from flowformer.models.checkpoint import load_backbone_weights
 from flowformer.viz import flow_panel
 
@@ -118,6 +119,9 @@ class FlowModule(BackboneModule):
         for name, metric in self.val_metrics.items():
             if not metric.update_called:
                 continue
-            values = metric.compute()
+            try:
+                values = metric.compute()
+            except NothingScoredError as error:
+                raise NothingScoredError(f"validation set {name}: {error}") from None
             self.log_dict({f"val/{name}/{k}": v.float() for k, v in values.items()}, sync_dist=False)
             metric.reset()

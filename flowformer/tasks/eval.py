@@ -39,7 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from flowformer.eval.protocol import EvalSet, Protocol
+from flowformer.eval.protocol import EvalSet, Protocol, require_finite_flow
+from flowformer.metrics import NothingScoredError
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.runtime import autocast_context, compile_network, load_network, pick_device
 
@@ -79,6 +80,10 @@ def evaluate_set(
         raise ValueError(f"eval set {name} writes a submission; set eval.submission_dir")
     write_item = submission_writer(protocol.kind) if protocol.writes_submission else None
     metrics = None if protocol.writes_submission else protocol.metrics()
+    if max_samples is not None and int(max_samples) < 1:
+        raise ValueError(
+            f"eval.max_samples={max_samples}: expected a positive number of pairs per set, or null for every pair"
+        )
     count = len(dataset) if max_samples is None else min(len(dataset), int(max_samples))
     if count == 0:
         raise ValueError(f"eval set {name} is empty; check its dataset root and split")
@@ -93,6 +98,7 @@ def evaluate_set(
         image2 = item["img2"][None].to(device)
         with torch.inference_mode(), autocast_context(device, precision, "eval.precision"):
             flow = protocol.predict(net, image1, image2)["flow"]  # [1,2,H,W] fp32
+        require_finite_flow(flow, f"eval set {name}, pair {index}")
         if write_item is not None:
             family = protocol.kind.removesuffix("_submission")
             write_item(submission_dir / family, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
@@ -108,7 +114,12 @@ def evaluate_set(
             )
         if (index + 1) % 100 == 0:
             log.info("%s: %d / %d", name, index + 1, count)
-    return {} if metrics is None else {key: float(value) for key, value in metrics.compute().items()}
+    if metrics is None:
+        return {}
+    try:
+        return {key: float(value) for key, value in metrics.compute().items()}
+    except NothingScoredError as error:
+        raise NothingScoredError(f"eval set {name}: {error} in its {count} pairs") from None
 
 
 def format_table(results: Mapping[str, Mapping[str, float]], kinds: Mapping[str, str]) -> str:
@@ -159,6 +170,8 @@ def open_sets(settings: DictConfig) -> dict[str, tuple[Protocol, EvalSet]]:
     """The sets `eval.sets` names, each with its protocol under this run's tiling settings; every set is checked
     (its definition, protocol and dataset tree) before the network is built."""
     benchmarks = settings.benchmarks
+    if not settings.sets:
+        raise ValueError(f"eval.sets is empty: name the sets to evaluate, of eval.benchmarks {list(benchmarks)}")
     unknown = [name for name in settings.sets if name not in benchmarks]
     if unknown:
         raise ValueError(

@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
-from flowformer.eval.protocol import Protocol
+from flowformer.eval.protocol import Protocol, require_finite_flow
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.runtime import (
     autocast_context,
@@ -184,6 +184,7 @@ def run(cfg: DictConfig) -> None:
                 )
             with torch.inference_mode(), autocast:
                 output = protocol.predict(net, previous, current, flow_init=flow_init)
+            require_finite_flow(output["flow"], f"infer.input pair {names[index]} -> {names[index + 1]}")
             if settings.warm_start:
                 flow_init = forward_project(output["flow_low"].float())
             flow = output["flow"][0].permute(1, 2, 0).cpu().numpy()  # [H,W,2]

@@ -14,6 +14,7 @@ from flowformer.data.synthetic import SyntheticFlowDataset
 from flowformer.eval.protocol import EvalSet
 from flowformer.lit.base import NonFiniteLossError
 from flowformer.lit.flow import FlowModule
+from flowformer.metrics import NothingScoredError
 from flowformer.models.checkpoint import LIGHTNING_PREFIX
 
 from helpers.configs import backbone_config, flow_settings
@@ -178,3 +179,14 @@ def test_validation_scores_each_set_with_the_bundle_of_its_kind():
     assert "epe_pooled" not in module.val_metrics["kitti"].compute()
     with pytest.raises(ValueError, match="model.val_iters"):
         module.set_validation_sets({"a": EvalSet(data, kind="kitti", iters=24)})
+
+
+def test_a_validation_set_without_a_valid_pixel_is_an_error_naming_it():
+    """Never val/<set>/epe 0 over nothing (the best checkpoint would follow it)."""
+    module = make_module()
+    data = SyntheticFlowDataset(num_samples=1, size=SIZE, seed=3)
+    module.set_validation_sets({"sparse": EvalSet(data, kind="kitti")})
+    batch = default_collate([data[0]])
+    module.validation_step({**batch, "valid": torch.zeros_like(batch["valid"])}, batch_idx=0)
+    with pytest.raises(NothingScoredError, match="validation set sparse: no pixel was scored"):
+        module.on_validation_epoch_end()

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.eval.padding import InputPadder
 from flowformer.eval.protocol import EvalSet, Protocol
-from flowformer.metrics import FlowMetrics
+from flowformer.metrics import FlowMetrics, NothingScoredError
 from flowformer.models import save_backbone
 from flowformer.tasks.eval import evaluate_set, format_table, run
 
@@ -89,6 +89,20 @@ def test_kitti_protocol_uses_valid_pixels_and_labels_both_averagings() -> None:
     assert result["f1_all"] == pytest.approx(100.0)  # pooled, the official kitti-f1
     assert result["f1_all_per_image"] == pytest.approx(100.0)
     assert [iters for _, iters in net.calls] == [24, 24]
+
+
+def test_a_set_with_nothing_to_score_or_a_non_finite_flow_is_an_error_naming_it() -> None:
+    data = ConstantFlowSet([(20, 30), (20, 30)])
+    flow = Protocol(kind="flow", iters=2)
+    with pytest.raises(ValueError, match=r"eval.max_samples=-1: expected a positive number"):
+        evaluate_set(RecordingNet((0.0, 0.0)), data, flow, name="synthetic", device=CPU, max_samples=-1)
+    no_valid_pixel = ConstantFlowSet([(20, 30), (20, 30)], valid_rows=0)
+    with pytest.raises(NothingScoredError, match="eval set kitti: no pixel was scored .* in its 2 pairs"):
+        evaluate_set(RecordingNet((0.0, 0.0)), no_valid_pixel, Protocol(kind="kitti", iters=2), name="kitti",
+                     device=CPU)
+    nan_net = RecordingNet((float("nan"), 0.0))
+    with pytest.raises(FloatingPointError, match="eval set synthetic, pair 0: .* non-finite flow"):
+        evaluate_set(nan_net, data, flow, name="synthetic", device=CPU)
 
 
 def test_tiled_protocol_runs_the_official_tile_grid() -> None:
@@ -249,4 +263,11 @@ def test_missing_dataset_fails_before_the_network_with_the_eval_alternative(tmp_
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["task=eval", "backbone=flowformer", f"paths.data_dir={tmp_path}"])
     with pytest.raises(FileNotFoundError, match=r"eval set 'sintel_clean'(.|\n)*eval=synthetic"):
+        run(cfg)
+
+
+def test_no_set_to_evaluate_is_refused_before_the_network(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["task=eval", "backbone=flowformer", "eval.sets=[]"])
+    with pytest.raises(ValueError, match=r"eval.sets is empty: name the sets to evaluate, of eval.benchmarks \["):
         run(cfg)

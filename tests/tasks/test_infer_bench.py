@@ -50,6 +50,22 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
     assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
 
 
+def test_a_non_finite_flow_is_an_error_naming_the_pair_and_is_not_written(tmp_path):
+    net = hydra.utils.instantiate(config().backbone)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.fill_(float("nan"))
+    save_backbone(tmp_path / "nan.pt", net)
+    folder, out = tmp_path / "frames", tmp_path / "out"
+    folder.mkdir()
+    for i, frame in enumerate(frames(2)):
+        cv2.imwrite(str(folder / f"f{i:02d}.png"), frame)
+    with pytest.raises(FloatingPointError, match="infer.input pair f00 -> f01: the network predicted a non-finite"):
+        infer.run(config(f"infer.input={folder}", f"infer.checkpoint={tmp_path / 'nan.pt'}",
+                         f"infer.output_dir={out}", "infer.iters=2", "infer.device=cpu"))
+    assert not list(out.glob("*.flo"))
+
+
 def write_video(path: Path, count: int) -> Path:
     """A Motion-JPEG .avi of `count` frames of `frames`."""
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 5, (WIDTH, HEIGHT))
