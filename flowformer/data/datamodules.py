@@ -112,14 +112,15 @@ class _TrainingData(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """The training position: the epoch and how many of its batches were trained on, from Lightning's loop
-        progress (an epoch is in progress while its `started` count is ahead of its `processed` count)."""
+        progress (an epoch is in progress while its `started` count is ahead of its `processed` count), and
+        the seed the draws are keyed by (a resume with another seed is warned about)."""
         trainer = self.trainer
         if trainer is None:
             return {}
         epochs = trainer.fit_loop.epoch_progress.current
         in_epoch = epochs.started > epochs.processed
         batches_done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if in_epoch else 0
-        return {"epoch": epochs.processed, "batches_done": batches_done}
+        return {"epoch": epochs.processed, "batches_done": batches_done, "seed": self.seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:

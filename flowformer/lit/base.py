@@ -116,12 +116,29 @@ class BackboneModule(L.LightningModule):
             "lr_scheduler": {"scheduler": schedule(optimizer), "interval": "step"},
         }
 
+    @classmethod
+    def own_hyperparameters(cls) -> set[str]:
+        """The constructor arguments this kind of module adds to BackboneModule's: the hyper-parameters that
+        tell its checkpoints from another kind's."""
+        shared = inspect.signature(BackboneModule.__init__).parameters
+        return {name for name in inspect.signature(cls.__init__).parameters if name not in shared}
+
     def _schedule_length(self) -> dict[str, int]:
-        """{"total_steps": trainer.max_steps + 100} where the scheduler's total_steps is null, else {}."""
+        """{"total_steps": trainer.max_steps + 100} where the scheduler's total_steps is null, else {}; a set
+        total_steps must cover trainer.max_steps (torch refuses to step a OneCycle schedule past its end)."""
         scheduler = self.hparams.scheduler
-        if "total_steps" not in scheduler or scheduler["total_steps"] is not None:
+        if "total_steps" not in scheduler:
             return {}
         max_steps = self.trainer.max_steps
+        if scheduler["total_steps"] is not None:
+            if max_steps is not None and max_steps > scheduler["total_steps"]:
+                raise ValueError(
+                    f"model.scheduler.total_steps={scheduler['total_steps']} is below trainer.max_steps="
+                    f"{max_steps}: the schedule would end before training does; set "
+                    f"model.scheduler.total_steps >= {max_steps}, or null for trainer.max_steps + "
+                    f"{SCHEDULE_STEPS_AFTER_MAX_STEPS}"
+                )
+            return {}
         if max_steps is None or max_steps < 1:
             raise ValueError(
                 "model.scheduler.total_steps is null, so it is derived from trainer.max_steps + 100, but "

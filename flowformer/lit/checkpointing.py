@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
+from flowformer.lit.base import BackboneModule
+from flowformer.lit.flow import FlowModule
+from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.models.checkpoint import check_compatible, read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -99,13 +103,27 @@ class LastCheckpoint(Checkpoint):
         log.debug("wrote %s at step %d", self.path, trainer.global_step)
 
 
+# The kinds of module a training checkpoint comes from (their own hyper-parameters tell them apart).
+TRAINING_MODULES: tuple[type[BackboneModule], ...] = (FlowModule, MCVAPretrainModule)
+# Hyper-parameters of checkpoints written before model.optimizer / model.scheduler, by their setting now.
+FORMER_HYPERPARAMETERS = {
+    "lr": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "total_steps": "scheduler.total_steps",
+    "pct_start": "scheduler.pct_start",
+}
+# Settings only a run that starts afresh reads (a resumed run takes the weights from its checkpoint).
+FRESH_START_SETTINGS = ("init_from", "skip_init_prefixes")
+
 # What Lightning writes into every training checkpoint; a file without them cannot resume a run.
 TRAINING_STATE_KEYS = ("state_dict", "global_step", "loops", "optimizer_states")
 
 
-def check_resume_checkpoint(path: str | Path, module: L.LightningModule) -> dict:
+def check_resume_checkpoint(path: str | Path, module: BackboneModule, max_steps: int | None) -> dict:
     """The checkpoint at ``ckpt_path``, refused before training starts when it is unreadable, not a Lightning
-    training checkpoint or made for another network (the error lists missing / unexpected / mis-shaped keys)."""
+    training checkpoint, saved by another kind of module, made for another network (the error lists missing /
+    unexpected / mis-shaped keys), or leaves nothing to train up to ``max_steps`` (trainer.max_steps) within
+    the schedule it resumes."""
     checkpoint = read_checkpoint(path)
     missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
     if missing:
@@ -113,8 +131,91 @@ def check_resume_checkpoint(path: str | Path, module: L.LightningModule) -> dict
             f"ckpt_path={path} is not a Lightning training checkpoint (it lacks {', '.join(missing)}): resume "
             "from <run dir>/checkpoints/last.ckpt, or start from its weights with model.init_from=<file>"
         )
+    check_module_kind(checkpoint, module, path)
     check_compatible(module, checkpoint["state_dict"], f"ckpt_path={path}")
+    check_steps_left(checkpoint, max_steps, path)
     return checkpoint
+
+
+def check_module_kind(checkpoint: dict, module: BackboneModule, path: str | Path) -> None:
+    """Refuses a checkpoint whose hyper-parameters are another kind of module's (an MCVAPretrainModule
+    checkpoint resumed as FlowModule, or the reverse): their optimisers hold different parameter groups."""
+    saved = set(checkpoint.get("hyper_parameters") or {})
+    if not saved or type(module).own_hyperparameters() & saved:
+        return
+    kind = next((k.__name__ for k in TRAINING_MODULES if k.own_hyperparameters() & saved), "another module")
+    raise ValueError(
+        f"ckpt_path={path} was saved by {kind}, but this run trains {type(module).__name__}: resume it with "
+        f"the model it was trained with, or start from its weights with model.init_from={path}"
+    )
+
+
+def check_steps_left(checkpoint: dict, max_steps: int | None, path: str | Path) -> None:
+    """Refuses a resume that trains nothing (the checkpoint is at or past trainer.max_steps) or that would
+    step the checkpoint's schedule past its end: a resumed schedule keeps the total_steps it was built
+    with."""
+    if max_steps is None or max_steps < 1:
+        return
+    step = checkpoint["global_step"]
+    if step >= max_steps:
+        raise ValueError(
+            f"ckpt_path={path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to "
+            f"train; raise trainer.max_steps above {step}"
+        )
+    for schedule in checkpoint.get("lr_schedulers") or []:
+        total_steps = schedule.get("total_steps")
+        if total_steps is not None and max_steps > total_steps:
+            raise ValueError(
+                f"ckpt_path={path} resumes a schedule of total_steps={total_steps}, which a resumed run "
+                f"keeps, so trainer.max_steps={max_steps} would step past its end; train at most "
+                f"{total_steps} steps, or start a new run from its weights with model.init_from={path}"
+            )
+
+
+def changed_settings(checkpoint: dict, module: BackboneModule) -> list[str]:
+    """`<config key>=<this run's value> (checkpoint: <its value>)` for each of the module's settings that
+    differs from the checkpoint's hyper-parameters (those written before model.optimizer / model.scheduler
+    under their former names); the settings only a fresh start reads (init_from, skip_init_prefixes) are
+    left out."""
+    saved = config_keys(checkpoint.get("hyper_parameters") or {})
+    current = config_keys(module.hparams)
+    return [
+        f"{key}={current[key]!r} (checkpoint: {saved[key]!r})"
+        for key in sorted(saved.keys() & current.keys())
+        if saved[key] != current[key]
+    ]
+
+
+def config_keys(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """A module's hyper-parameters by their config keys (backbone.<knob>, model.<setting>), nested ones
+    flattened."""
+    keys: dict[str, Any] = {}
+    for name, value in hparams.items():
+        if name not in FRESH_START_SETTINGS:
+            key = "backbone" if name == "backbone" else f"model.{FORMER_HYPERPARAMETERS.get(name, name)}"
+            keys |= flattened(value, key)
+    return keys
+
+
+def flattened(value: Any, key: str) -> dict[str, Any]:
+    """{key: value}, or for a mapping its leaves under key.<name>...."""
+    if not isinstance(value, Mapping):
+        return {key: value}
+    return {
+        leaf: item
+        for name, inner in value.items()
+        for leaf, item in flattened(inner, f"{key}.{name}").items()
+    }
+
+
+def forget_best_of_other_dirs(checkpoint: dict, dirpath: str | Path) -> None:
+    """Drops the ModelCheckpoint state a checkpoint saved in another directory: Lightning would restore its
+    best_model_path, and another run's (maybe deleted) file would pass for this run's best checkpoint."""
+    callbacks = checkpoint.get("callbacks") or {}
+    for key, state in list(callbacks.items()):
+        saved_in = Path(state.get("dirpath") or "").resolve()
+        if "best_model_path" in state and saved_in != Path(dirpath).resolve():
+            del callbacks[key]
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:

@@ -23,7 +23,13 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flowformer.lit.checkpointing import RandomStates, SafeCheckpointIO, check_resume_checkpoint
+from flowformer.lit.checkpointing import (
+    RandomStates,
+    SafeCheckpointIO,
+    changed_settings,
+    check_resume_checkpoint,
+    forget_best_of_other_dirs,
+)
 from flowformer.tasks.run_dirs import ensure_writable_dir
 
 log = logging.getLogger(__name__)
@@ -59,9 +65,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir)
     monitor = set_monitor(cfg, datamodule)
-    resume = None
-    if cfg.get("ckpt_path"):
-        resume = (cfg.ckpt_path, check_resume_checkpoint(cfg.ckpt_path, model))
+    resume = checked_resume(cfg, datamodule, model) if cfg.get("ckpt_path") else None
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg), RandomStates()]
     trainer: L.Trainer = hydra.utils.instantiate(
@@ -70,6 +74,30 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     log_config(loggers, cfg)
     record_wandb_id(loggers, output_dir / "checkpoints")
     return PreparedRun(trainer=trainer, monitor=monitor)
+
+
+def checked_resume(
+    cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule
+) -> tuple[str, dict]:
+    """(ckpt_path, its checkpoint), checked against this run (`check_resume_checkpoint`); the settings that
+    differ from the checkpoint's are listed in one warning line, and the best checkpoint of the directory it
+    was saved in is not restored as this run's."""
+    checkpoint = check_resume_checkpoint(cfg.ckpt_path, model, cfg.trainer.get("max_steps"))
+    changes = changed_settings(checkpoint, model)
+    saved_seed = (checkpoint.get(type(datamodule).__qualname__) or {}).get("seed")
+    if saved_seed is not None and saved_seed != cfg.seed:
+        changes.append(f"seed={cfg.seed!r} (checkpoint: {saved_seed!r})")
+    if changes:
+        log.warning(
+            "resuming %s with settings that differ from the checkpoint's: %s; the optimiser and LR schedule "
+            "continue from the checkpoint's state",
+            cfg.ckpt_path,
+            ", ".join(changes),
+        )
+    best_dir = checkpoint_dirs(cfg).get("callbacks.model_checkpoint.dirpath")
+    if best_dir is not None:
+        forget_best_of_other_dirs(checkpoint, best_dir)
+    return cfg.ckpt_path, checkpoint
 
 
 def check_output_dirs(cfg: DictConfig) -> Path:

@@ -123,6 +123,16 @@ def test_a_schedule_of_null_length_needs_trainer_max_steps():
         attach_trainer(make_module(FlowModule), max_steps=-1).configure_optimizers()
 
 
+def test_a_schedule_shorter_than_trainer_max_steps_is_refused_before_training():
+    """torch's OneCycleLR would stop the run with 'Tried to step 5 times' one step past its end."""
+    settings = flow_settings()
+    settings["scheduler"]["total_steps"] = 4
+    module = FlowModule(backbone=backbone_config(), **settings)
+    with pytest.raises(ValueError, match=r"model.scheduler.total_steps=4 is below trainer.max_steps=5"):
+        attach_trainer(module, max_steps=5).configure_optimizers()
+    attach_trainer(module, max_steps=4).configure_optimizers()  # a schedule covering the run
+
+
 def test_a_checkpoint_with_the_former_optimiser_hyperparameters_resumes_and_initialises(tmp_path):
     """Checkpoints written before model.optimizer / model.scheduler hold lr, weight_decay, total_steps and
     pct_start as hyperparameters: resuming rebuilds the module from the config and initialising reads only

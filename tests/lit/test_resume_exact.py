@@ -90,7 +90,7 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path, every
     # the data position written at the end of training agrees with Lightning's loop: stopping at max_steps
     # ends the epoch, so a resume would start the next one
     data_state = next(value for key, value in final.items() if key.endswith("DataModule"))
-    assert data_state == {"epoch": final["epoch"], "batches_done": 0}
+    assert data_state == {"epoch": final["epoch"], "batches_done": 0, "seed": 1234}  # conf/config.yaml's seed
     assert final["state_dict"].keys() == reference_final["state_dict"].keys()
     for key, value in reference_final["state_dict"].items():
         assert torch.equal(final["state_dict"][key], value), key
