@@ -7,16 +7,21 @@ share the directory, so it is named after the job instead: ``slurm-<job>.<step>`
 tasks, ``torchrun-<rdzv id>`` under torchrun with an ``--rdzv-id``.
 
 :class:`RunDirGuard` (a Hydra callback) checks the directory before Hydra writes into it: it must be creatable
-and writable, and a fresh run (not a process joining its job's directory) must find it empty.
-:func:`ensure_writable_dir` is that check for every output location (the run and checkpoint directories,
-task=eval's, task=infer's and task=convert's outputs); :func:`remove_if_unused` deletes the directory of a run
-that failed before producing anything.
+and writable, and a fresh run (not a process joining its job's directory) must find it empty and claims it
+(:func:`claim_dir`: a ``.run_claim`` file created exclusively, so of two runs given the same directory at the
+same time exactly one gets it); training claims its checkpoint directories the same way.
+:func:`ensure_writable_dir` is the writability check for every output location (the run and checkpoint
+directories, task=eval's, task=infer's and task=convert's outputs). :func:`remove_if_unused` deletes the
+directory of a run that failed before producing anything, and when the process ends,
+:func:`release_unused_claims` gives back the directories it claimed but wrote nothing into.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -69,8 +74,11 @@ def fresh_dir(parent: str) -> str:
     return str(Path(parent) / stamp)
 
 
+# The file that marks a directory as one run's (claim_dir); it names that run's host, process and directory.
+CLAIM_FILE = ".run_claim"
 # What a run writes before it does any work: Hydra's records, logs, the run record, logger metadata.
-BOOKKEEPING = (".hydra", "config_resolved.yaml", "run_info.json", "hparams.yaml")
+BOOKKEEPING = (".hydra", "config_resolved.yaml", "run_info.json", "hparams.yaml", CLAIM_FILE)
+_claim_files: list[Path] = []
 
 
 def remove_if_unused(run_dir: Path) -> bool:
@@ -113,31 +121,62 @@ def ensure_writable_dir(path: str | Path, what: str) -> Path:
     return path
 
 
-def _refuse(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(1)
+def run_owner(run_dir: str | Path) -> str:
+    """What a claim file says: this host and process, and the run directory it writes."""
+    return f"host {socket.gethostname()} pid {os.getpid()} run {os.path.abspath(run_dir)}"
 
 
-def check_output_dir(path: str | Path, setting: str, *, must_be_empty: bool) -> None:
-    """Exit with one line unless `path` can be created and written (and is empty, when asked)."""
-    path = Path(path)
-    try:
-        ensure_writable_dir(path, setting)
-    except OutputPathError as err:
-        _refuse(str(err))
-    if must_be_empty and (entries := sorted(p.name for p in path.iterdir())):
-        _refuse(
+def claim_dir(path: str | Path, setting: str, owner: str) -> None:
+    """Make the existing directory `path` the run `owner`'s: it must hold nothing (or be `owner`'s already);
+    the claim file is created with O_EXCL, so of two runs that both found it empty exactly one gets it. Else
+    an OutputPathError naming `setting`."""
+    claim = Path(path) / CLAIM_FILE
+    if claim.is_file() and claim.read_text() == owner:
+        return
+    if entries := sorted(p.name for p in Path(path).iterdir()):
+        raise OutputPathError(
             f"{setting} {path} is not empty ({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}): a "
             "new run never writes into another run's directory. Choose another one, or leave it unset for a "
-            "fresh one; to continue that run, pass ckpt_path=<its checkpoints/last.ckpt>"
+            "fresh one; to continue that run, pass ckpt_path=<that run's last.ckpt>"
         )
+    try:
+        with open(claim, "x") as file:
+            file.write(owner)
+    except FileExistsError:
+        raise OutputPathError(
+            f"{setting} {path} was just claimed by another run started at the same time; choose another one"
+        ) from None
+    if not _claim_files:
+        atexit.register(release_unused_claims)
+    _claim_files.append(claim)
+
+
+def release_unused_claims() -> None:
+    """Remove this process's claim files from directories that hold nothing else (its run wrote nothing
+    there), so the directory can be given again."""
+    while _claim_files:
+        claim = _claim_files.pop()
+        if claim.is_file() and [p.name for p in claim.parent.iterdir()] == [CLAIM_FILE]:
+            claim.unlink()
+
+
+def check_output_dir(path: str | Path, setting: str, *, claim: bool) -> None:
+    """Exit with one line unless `path` can be created and written (and, when `claim`, be claimed by this
+    run)."""
+    try:
+        ensure_writable_dir(path, setting)
+        if claim:
+            claim_dir(path, setting, run_owner(path))
+    except OutputPathError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 class RunDirGuard(Callback):
-    """Checks the run / sweep directory before Hydra writes its files there."""
+    """Checks and claims the run / sweep directory before Hydra writes its files there."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_output_dir(config.hydra.run.dir, "hydra.run.dir", must_be_empty=not joins_existing_run())
+        check_output_dir(config.hydra.run.dir, "hydra.run.dir", claim=not joins_existing_run())
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", must_be_empty=not joins_existing_run())
+        check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", claim=not joins_existing_run())

@@ -30,7 +30,7 @@ from flowformer.lit.checkpointing import (
     check_resume_checkpoint,
     forget_best_of_other_dirs,
 )
-from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,14 @@ def checked_resume(
 
 def check_output_dirs(cfg: DictConfig) -> Path:
     """Creates the run directory (paths.output_dir) and every configured checkpoint directory, proving each
-    writable; returns the run directory."""
+    writable, and claims each checkpoint directory for this run (it must be empty, or already this run's: the
+    run directory itself); returns the run directory."""
     output_dir = ensure_writable_dir(cfg.paths.output_dir, "the run directory (hydra.run.dir / paths.output_dir)")
+    owner = run_owner(output_dir)
     for setting, directory in checkpoint_dirs(cfg).items():
         ensure_writable_dir(directory, f"the checkpoint directory ({setting})")
+        if not joins_existing_run():
+            claim_dir(directory, setting, owner)
     return output_dir
 
 
