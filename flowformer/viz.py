@@ -10,11 +10,11 @@ blue, -y (up) violet-blue; zero flow is white.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
+
+from flowformer.data.io import write_image
 
 __all__ = [
     "epe_map",
@@ -224,7 +224,4 @@ def write_flow_image(
     path: str | os.PathLike, flow: np.ndarray | torch.Tensor, max_flow: float | None = None
 ) -> None:
     """Save the colour-coded flow (numpy [H, W, 2] or torch [2, H, W]) as an 8-bit RGB picture (e.g. PNG)."""
-    rgb = flow_to_color(_as_hwc(flow, 2, "write_flow_image: flow"), max_flow)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if not cv2.imwrite(str(path), np.ascontiguousarray(rgb[:, :, ::-1])):
-        raise OSError(f"{path}: OpenCV could not write the picture (check the extension and the folder)")
+    write_image(path, flow_to_color(_as_hwc(flow, 2, "write_flow_image: flow"), max_flow))

@@ -2,7 +2,9 @@
 
 Formats as the official ``core/utils/frame_utils.py`` reads them. Every reader returns numpy arrays in
 (H, W, C) layout; every failure (missing or unreadable file, wrong magic, truncated data, wrong size) raises
-:class:`FlowFileError`, which names the file and says what was wrong.
+:class:`FlowFileError`, which names the file and says what was wrong. Every writer goes through
+``atomic_write`` (``flowformer/models/output_files.py``): a file is whole or absent, and a failed write (disk
+full) raises ``OutputWriteError`` naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from flowformer.models.output_files import atomic_write
+
 __all__ = [
     "FLO_MAGIC",
     "FlowFileError",
@@ -23,6 +27,7 @@ __all__ = [
     "read_kitti_flow",
     "read_pfm",
     "write_flo",
+    "write_image",
     "write_kitti_flow",
 ]
 
@@ -109,12 +114,13 @@ def read_flo(path: PathLike) -> np.ndarray:
 
 
 def write_flo(path: PathLike, flow: np.ndarray) -> None:
-    """Write float [H, W, 2] flow as a Middlebury ``.flo`` file (parent folders are created)."""
+    """Write float [H, W, 2] flow as a Middlebury ``.flo`` file (parent folders are created; whole or not at
+    all: ``atomic_write``)."""
     flow = _check_flow_array(path, flow)
     height, width = flow.shape[:2]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     header = np.array([FLO_MAGIC], dtype="<f4").tobytes() + np.array([width, height], dtype="<i4").tobytes()
-    Path(path).write_bytes(header + np.ascontiguousarray(flow, dtype="<f4").tobytes())
+    with atomic_write(path) as file:
+        file.write(header + np.ascontiguousarray(flow, dtype="<f4").tobytes())
 
 
 _PFM_HEADER = re.compile(rb"^(PF|Pf)\s+(\d+)\s+(\d+)\s+([-+0-9.eE]+)\s")
@@ -185,7 +191,8 @@ def read_kitti_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_kitti_flow(path: PathLike, flow: np.ndarray, valid: np.ndarray | None = None) -> None:
-    """Write float [H, W, 2] flow as a KITTI 16-bit PNG; ``valid`` [H, W] defaults to all ones.
+    """Write float [H, W, 2] flow as a KITTI 16-bit PNG (whole or not at all); ``valid`` [H, W] defaults to
+    all ones.
 
     Values are rounded to 1/64 px and clipped to the representable range (about +-512 px).
     """
@@ -201,11 +208,30 @@ def write_kitti_flow(path: PathLike, flow: np.ndarray, valid: np.ndarray | None 
     encoded = np.rint(flow.astype(np.float64) * _KITTI_SCALE + _KITTI_OFFSET)
     encoded = np.clip(np.nan_to_num(encoded, nan=_KITTI_OFFSET), 0, 2**16 - 1)
     rgb = np.concatenate([encoded, (valid > 0.5)[:, :, None]], axis=2).astype(np.uint16)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if not cv2.imwrite(str(path), np.ascontiguousarray(rgb[:, :, ::-1])):
+    if Path(path).suffix.lower() != ".png":
+        raise FlowFileError(path, "a KITTI flow file is a 16-bit PNG: name it <name>.png")
+    _write_picture(path, rgb)
+
+
+def write_image(path: PathLike, image: np.ndarray) -> None:
+    """Write uint8 [H, W, 3] RGB in the format of the file name's extension (.png, .jpg, ...); parent folders
+    are created, and the file is whole or not written."""
+    _write_picture(path, image)
+
+
+def _write_picture(path: PathLike, rgb: np.ndarray) -> None:
+    """[H, W, 3] RGB -> an image file at `path`, encoded by its extension, through `atomic_write`."""
+    suffix = Path(path).suffix
+    try:
+        encoded, data = cv2.imencode(suffix, np.ascontiguousarray(rgb[:, :, ::-1]))
+    except cv2.error:
+        encoded = False
+    if not encoded:
         raise FlowFileError(
-            path, "OpenCV could not write the PNG (is the extension .png and the folder writable?)"
+            path, f"OpenCV cannot write a {rgb.dtype} [H, W, 3] picture as {suffix!r}; use .png"
         )
+    with atomic_write(path) as file:
+        file.write(data.tobytes())
 
 
 def read_image(path: PathLike) -> np.ndarray:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,14 +28,11 @@ from flowformer.lit.base import BackboneModule
 from flowformer.lit.flow import FlowModule
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.models.checkpoint import check_compatible, read_checkpoint
+from flowformer.models.output_files import atomic_write
 
 log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last.ckpt"
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the file it would have replaced is intact."""
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -50,18 +46,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         path = Path(path)
-        partial = path.with_name(f".{path.name}.partial")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(checkpoint, partial)
-            os.replace(partial, path)
-        except OSError as err:
-            partial.unlink(missing_ok=True)
-            kept = f"the previous {path.name} is intact" if path.exists() else f"no earlier {path.name} existed"
-            raise CheckpointWriteError(
-                f"could not write checkpoint {path} ({err.strerror or err}); {kept}. Free disk space or fix "
-                f"the permissions of {path.parent}, then resume with ckpt_path=<the last good checkpoint>"
-            ) from err
+        advice = (
+            f"Free disk space or fix the permissions of {path.parent}, then resume with "
+            "ckpt_path=<the last good checkpoint>"
+        )
+        with atomic_write(path, advice) as file:
+            torch.save(checkpoint, file)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         if self._resume is not None and Path(path) == Path(self._resume[0]):

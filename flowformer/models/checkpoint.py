@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from flowformer.models.build import build_flowformer
 from flowformer.models.flowformer import FlowFormer
+from flowformer.models.output_files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +127,9 @@ def _not_a_checkpoint(path: Path) -> str:
 
 
 def _write(obj: object, path: str | Path) -> None:
-    """torch.save that reports an unwritable destination as a one-line OSError of the same kind naming it
-    (torch.save given a path raises a RuntimeError)."""
-    path = Path(path)
-    try:
-        with path.open("wb") as file:
-            torch.save(obj, file)
-    except OSError as err:
-        raise type(err)(
-            f"cannot write checkpoint {path} ({err.strerror or err}); check that its folder exists and is writable"
-        ) from None
+    """torch.save, atomically (`atomic_write`): a failed write is one OutputWriteError naming `path`."""
+    with atomic_write(path) as file:
+        torch.save(obj, file)
 
 
 def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str, Mapping[str, Any] | None]:

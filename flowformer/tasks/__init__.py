@@ -22,7 +22,7 @@ from types import ModuleType
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from flowformer.lit.checkpointing import CheckpointWriteError
+from flowformer.models.output_files import OutputWriteError
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 from flowformer.tasks.runtime import configure_runtime
 from flowformer.tasks.sweeps import in_multirun, record_failed_job
@@ -39,7 +39,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PermissionError,
     ValueError,
     FloatingPointError,
-    CheckpointWriteError,  # disk full or no permission while saving; the previous checkpoint is intact
+    OutputWriteError,  # disk full or no permission while writing a file; the earlier file is intact
 )
 
 

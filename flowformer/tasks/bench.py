@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
+from flowformer.models.output_files import atomic_write, atomic_write_text
 from flowformer.tasks.runtime import (
     autocast_context,
     compile_network,
@@ -294,7 +295,8 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
         axis.legend(fontsize=7)
     figure.suptitle(title, fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    with atomic_write(path) as file:
+        figure.savefig(file, format=path.suffix[1:], dpi=100)
     pyplot.close(figure)
 
 
@@ -338,9 +340,10 @@ def run(cfg: DictConfig) -> float:
         "compile": f"{runtime.compile_backend} ({runtime.compile_mode})" if runtime.compile else None,
     }
     about = machine()
-    (output_dir / "bench.json").write_text(json.dumps({"machine": about, "setup": setup, "rows": rows}, indent=2))
+    record = {"machine": about, "setup": setup, "rows": rows}
+    atomic_write_text(output_dir / "bench.json", json.dumps(record, indent=2))
     table = markdown_table(rows)
-    (output_dir / "bench.md").write_text(table)
+    atomic_write_text(output_dir / "bench.md", table)
     title = (
         f"{setup['backbone']} ({setup['image_encoder']}), {setup['mode']}, batch {setup['batch_size']}, "
         f"{setup['iters']} iterations, on {about.get('gpu', about['cpu'])}, torch {about['torch']}"

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from flowformer.eval.protocol import EvalSet, Protocol, require_finite_flow
 from flowformer.metrics import NothingScoredError
+from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.runtime import autocast_context, compile_network, load_network, pick_device
 
@@ -216,7 +217,7 @@ def write_results(
         "protocol": protocols,
         "notes": {"kitti": KITTI_NOTE, "averaging": "see flowformer/metrics.py"},
     }
-    output.write_text(json.dumps(record, indent=2, default=str))
+    atomic_write_text(output, json.dumps(record, indent=2, default=str))
     log.info("wrote %s", output)
 
 

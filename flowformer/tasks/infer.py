@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-from flowformer.data.io import FlowFileError, read_image, write_flo, write_kitti_flow
+from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
 from flowformer.eval.protocol import Protocol, require_finite_flow
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.runtime import (
@@ -193,13 +193,13 @@ def run(cfg: DictConfig) -> None:
                 write_flo(stem.with_suffix(".flo"), flow)
             else:
                 write_kitti_flow(stem.with_suffix(".png"), flow)
-            picture = cv2.cvtColor(flow_to_color(flow), cv2.COLOR_RGB2BGR)  # uint8 [H,W,3]
+            picture = flow_to_color(flow)  # uint8 [H,W,3] RGB
             if settings.save_png:
-                cv2.imwrite(str(output_dir / f"{names[index]}_flow.png"), picture)
+                write_image(output_dir / f"{names[index]}_flow.png", picture)
             if settings.save_video:
                 if video is None:
                     video = open_video(output_dir / "flow.mp4", settings.video_fps, picture.shape)
-                video.write(picture)
+                video.write(cv2.cvtColor(picture, cv2.COLOR_RGB2BGR))
             previous = current
     if video is not None:
         video.release()

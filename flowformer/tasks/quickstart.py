@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from flowformer.lit.checkpointing import last_checkpoint_path
 from flowformer.metrics import FlowMetrics
+from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks import close_loggers
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.train import fit
@@ -82,7 +83,7 @@ def run(cfg: DictConfig) -> float:
         "pass": epe["with_mcva"] <= stages.max_epe_ratio * zero,
         "checkpoints": {"pretrain": pretrained, **checkpoints},
     }
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    atomic_write_text(run_dir / "metrics.json", json.dumps(metrics, indent=2))
     titles = {"with_mcva": "finetuned from MCVA pretraining", "from_scratch": "finetuned from scratch"}
     rows = "".join(
         f"  {titles[label]:<31} {value:8.3f}  ({value / zero:.0%} of zero flow)\n" for label, value in epe.items()

@@ -19,17 +19,20 @@ directory of a run that failed before producing anything, and when the process e
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from flowformer.models.output_files import check_room, file_in_the_way
 
 RESOLVER = "fresh_dir"
 _claimed: dict[str, str] = {}
@@ -104,16 +107,21 @@ class OutputPathError(ValueError):
     """An output location (run directory, checkpoint directory, inference output) cannot be written."""
 
 
+# What the write probe writes: room for Hydra's records, run.log's first lines and the run record, which a run
+# writes before its own files (a full disk is refused here rather than in the middle of Hydra's writes).
+PROBE_BYTES = 1 << 20
+
+
 def ensure_writable_dir(path: str | Path, what: str) -> Path:
-    """Create `path` and prove it writable (a probe file), before any work is done; else one clear error."""
+    """Create `path` and prove it writable (a probe file of PROBE_BYTES), before any work is done; else one
+    clear error."""
     path = Path(path)
-    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    blocker = file_in_the_way(path)
     if blocker is not None:
         raise OutputPathError(f"cannot create {what} {path}: {blocker} is a file; choose another location")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
-            pass
+        check_room(path, PROBE_BYTES)
     except OSError as err:
         raise OutputPathError(
             f"cannot write {what} {path}: {err.strerror or err}; choose another location"
@@ -169,6 +177,9 @@ def check_output_dir(path: str | Path, setting: str, *, claim: bool) -> None:
             claim_dir(path, setting, run_owner(path))
     except OutputPathError as err:
         print(f"error: {err}", file=sys.stderr)
+        if str(path) in _claimed.values():  # made empty by fresh_dir for this run: leave nothing behind
+            with contextlib.suppress(OSError):  # not empty: kept
+                Path(path).rmdir()
         raise SystemExit(1) from None
 
 
@@ -180,3 +191,24 @@ class RunDirGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", claim=not joins_existing_run())
+
+
+class RunLogHandler(logging.FileHandler):
+    """run.log's handler (conf/hydra/default.yaml): when a line cannot be written (disk full), one warning on
+    stderr instead of logging's traceback for every line; the console still gets every line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.write_failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+        elif not self.write_failed:
+            self.write_failed = True
+            print(
+                f"warning: cannot write {self.baseFilename} ({error.strerror or error}); from here on the log "
+                "lines go to the console only",
+                file=sys.stderr,
+            )

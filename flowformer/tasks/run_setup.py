@@ -30,6 +30,7 @@ from flowformer.lit.checkpointing import (
     check_resume_checkpoint,
     forget_best_of_other_dirs,
 )
+from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
 
 log = logging.getLogger(__name__)
@@ -154,14 +155,14 @@ def package_versions() -> dict[str, str | None]:
 def write_run_record(cfg: DictConfig, output_dir: Path) -> None:
     """<run dir>/config_resolved.yaml and <run dir>/run_info.json (git SHA, packages, command line)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write_text(output_dir / "config_resolved.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = {
         "git": git_revision(Path(__file__).resolve().parent),
         "packages": package_versions(),
         "command": sys.argv,
         "host": platform.node(),
     }
-    (output_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    atomic_write_text(output_dir / "run_info.json", json.dumps(info, indent=2))
 
 
 def set_monitor(cfg: DictConfig, datamodule: Any) -> str:
@@ -217,7 +218,7 @@ def record_wandb_id(loggers: list[Logger], checkpoint_dir: Path) -> None:
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (checkpoint_dir / WANDB_ID_FILE).write_text(logger.experiment.id)
+            atomic_write_text(checkpoint_dir / WANDB_ID_FILE, logger.experiment.id)
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:

@@ -1,9 +1,16 @@
-"""Callbacks that break a run on purpose, for the reliability tests (`+callbacks.<name>._target_=...`)."""
+"""Faults for the reliability tests: callbacks that break a run on purpose (`+callbacks.<name>._target_=...`)
+and a full disk (`fill_disk`)."""
 
+import builtins
+import errno
 import os
 import signal
+from collections.abc import Callable
+from pathlib import Path
 
 import lightning as L
+
+from flowformer.models import output_files
 
 
 class KillAtStep(L.Callback):
@@ -15,3 +22,65 @@ class KillAtStep(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fill_disk(folder: str | Path, patch: Callable[[object, str, object], None] = setattr) -> str:
+    """Make the disk of `folder` full and say how. On a tmpfs mounted at `folder` ("tmpfs"), a filler file grows
+    until the kernel answers ENOSPC. Elsewhere ("simulated": where mounting one is not permitted), every write
+    the package makes under `folder` from now on (flowformer/models/output_files.py's `open`) writes half its
+    bytes and fails with ENOSPC; `patch` installs that (setattr, or a pytest monkeypatch's, which undoes it)."""
+    folder = Path(folder)
+    if os.path.ismount(folder):
+        descriptor = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while True:
+                os.write(descriptor, bytes(1 << 20))
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+        finally:
+            os.close(descriptor)
+        return "tmpfs"
+    real_open = builtins.open
+
+    def open_on_full_disk(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        writes = any(flag in mode for flag in "wax+")
+        return FullDiskFile(handle) if writes and Path(file).resolve().is_relative_to(folder.resolve()) else handle
+
+    patch(output_files, "open", open_on_full_disk)
+    return "simulated"
+
+
+class FullDiskFile:
+    """A file on a simulated full disk: a write stores half its bytes, then fails with ENOSPC."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def write(self, data) -> int:
+        data = data if isinstance(data, str) else bytes(data)
+        self._handle.write(data[: len(data) // 2])
+        self._handle.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._handle.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+
+class FillDiskAtStep(L.Callback):
+    """`fill_disk(folder)` when the batch after `step` optimiser steps starts."""
+
+    def __init__(self, folder: str, step: int) -> None:
+        self.folder = folder
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            fill_disk(self.folder)

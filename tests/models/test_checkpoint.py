@@ -27,6 +27,7 @@ from flowformer.models.checkpoint import (
 )
 from flowformer.models.convert import main as convert
 from flowformer.models.encoders import TwinsEncoder
+from flowformer.models.output_files import OutputWriteError
 
 from helpers.configs import CONF_DIR, FIXTURES_DIR, backbone_config, backbone_kwargs, build_backbone
 
@@ -304,12 +305,7 @@ def _missing_file(tmp_path: Path) -> Path:
     [
         (_missing_file, "out.pth", "checkpoint {tmp}/missing.pth does not exist"),
         (_random_file, "out.pth", "{tmp}/random.pth is not a PyTorch checkpoint"),
-        (_backbone_file, "no/such/dir/out.pth", "cannot write checkpoint {tmp}/no/such/dir/out.pth"),
-        (
-            _backbone_file,
-            "ours.ckpt/out.pth",
-            "cannot write checkpoint {tmp}/ours.ckpt/out.pth (Not a directory)",
-        ),
+        (_backbone_file, "ours.ckpt/out.pth", "cannot write {tmp}/ours.ckpt/out.pth ({tmp}/ours.ckpt is a file)"),
     ],
 )
 def test_convert_cli_reports_bad_input_in_one_line(
@@ -324,14 +320,12 @@ def test_convert_cli_reports_bad_input_in_one_line(
     assert "Traceback" not in captured.err
 
 
-@pytest.mark.parametrize(
-    ("dst", "kind"), [("no/dir/b.ckpt", FileNotFoundError), ("b.ckpt/x", NotADirectoryError)]
-)
-def test_save_backbone_names_an_unwritable_destination(tmp_path: Path, dst: str, kind: type[OSError]) -> None:
-    save_backbone(tmp_path / "b.ckpt", build_backbone())
-    with pytest.raises(kind) as err:
-        save_backbone(tmp_path / dst, build_backbone())
-    assert str(err.value).startswith(f"cannot write checkpoint {tmp_path / dst} (")
+def test_save_backbone_makes_missing_folders_and_names_an_unwritable_destination(tmp_path: Path) -> None:
+    save_backbone(tmp_path / "new" / "b.ckpt", build_backbone())
+    load_backbone(tmp_path / "new" / "b.ckpt")
+    with pytest.raises(OutputWriteError) as err:
+        save_backbone(tmp_path / "new" / "b.ckpt" / "x", build_backbone())
+    assert str(err.value).startswith(f"cannot write {tmp_path}/new/b.ckpt/x ({tmp_path}/new/b.ckpt is a file)")
 
 
 def test_convert_cli_reports_mismatching_keys(tmp_path: Path, capsys) -> None:

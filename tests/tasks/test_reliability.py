@@ -21,12 +21,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from flowformer.lit.checkpointing import (
-    CheckpointWriteError,
     LastCheckpoint,
     SafeCheckpointIO,
     last_checkpoint_path,
 )
 from flowformer.models.checkpoint import CheckpointReadError
+from flowformer.models.output_files import OutputWriteError
 from flowformer.tasks import run_dirs
 from flowformer.tasks.run_setup import build_callbacks
 
@@ -126,12 +126,12 @@ def test_a_failed_checkpoint_write_keeps_the_previous_file(tmp_path, monkeypatch
     io = SafeCheckpointIO()
     io.save_checkpoint({"global_step": 1}, target)
 
-    def disk_full(obj, path):
-        Path(path).write_bytes(b"half a checkpoint")
+    def disk_full(obj, file):
+        file.write(b"half a checkpoint")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(CheckpointWriteError, match="No space left on device.*previous last.ckpt is intact"):
+    with pytest.raises(OutputWriteError, match="No space left on device.*previous last.ckpt is intact"):
         io.save_checkpoint({"global_step": 2}, target)
     monkeypatch.undo()
     assert torch.load(target, weights_only=True) == {"global_step": 1}
