@@ -48,6 +48,14 @@ class FlowModule(BackboneModule):
         add_noise: bool,
         num_val_panels: int,
     ) -> None:
+        if gamma < 0:
+            raise ValueError(
+                f"model.gamma={gamma}: the loss weighs iteration i by gamma^(N-1-i), so gamma must be >= 0 "
+                "(official: 0.8)"
+            )
+        for setting, iters in (("model.train_iters", train_iters), ("model.val_iters", val_iters)):
+            if iters < 1:
+                raise ValueError(f"{setting}={iters}: the decoder needs at least 1 iteration")
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         if init_from is not None:
             report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))

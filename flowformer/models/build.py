@@ -25,6 +25,19 @@ from flowformer.models.flowformer import FlowFormer
 # MixerCostEncoder does) and is added here.
 COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder, "mixer": MixerCostEncoder}
 IMAGE_ENCODERS = ("twins", "cnn")
+# knob -> the least value it takes (sizes of at least 1; agt_depth 0 keeps no AGT layer, context_proj_dim 0 makes
+# the AGT context-free)
+KNOB_MINIMUMS = {
+    "feature_dim": 1,
+    "cost_heads": 1,
+    "cost_patch_dim": 1,
+    "num_latent_tokens": 1,
+    "latent_dim": 1,
+    "agt_depth": 0,
+    "context_proj_dim": 0,
+    "query_dim": 1,
+    "decoder_dim": 1,
+}
 # backbone.activation_checkpoint names the stages whose activations the backward pass recomputes instead of
 # keeping (same numbers, less memory, another forward of those stages): the image encoders (each Twins block,
 # each CNN stage); the cost maps' patchify + latent summary; the AGT layers (each, or each row block of a bounded
@@ -108,6 +121,11 @@ class BackboneConfig:
             )
         object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
         unknown = [stage for stage in self.activation_checkpoint if stage not in ACTIVATION_CHECKPOINT_STAGES]
+        for knob, least in KNOB_MINIMUMS.items():
+            if getattr(self, knob) < least:
+                raise ValueError(f"backbone.{knob} must be >= {least}, got {getattr(self, knob)}")
+        if min(self.cnn_widths) < 1:
+            raise ValueError(f"backbone.cnn_widths must all be >= 1, got {list(self.cnn_widths)}")
         checks = [
             (self.variant in VARIANTS, f"backbone.variant must be one of {tuple(VARIANTS)}, got {self.variant!r}"),
             (

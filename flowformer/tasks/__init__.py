@@ -68,7 +68,7 @@ def run_task(cfg: DictConfig) -> float | None:
             traceback.print_exception(error)
         error_line = report(user_error or error)
         if user_error is not None and HydraConfig.initialized() and not joins_existing_run():
-            remove_if_unused(Path(HydraConfig.get().runtime.output_dir))
+            remove_if_unused(Path(HydraConfig.get().runtime.output_dir), Path(cfg.paths.log_dir))
         if in_multirun():
             record_failed_job(error_line)
             return math.nan

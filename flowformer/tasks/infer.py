@@ -155,6 +155,10 @@ def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     if settings.format not in ("flo", "kitti"):
         raise ValueError(f"infer.format={settings.format!r}: expected 'flo' or 'kitti'")
+    if settings.save_video and not settings.video_fps > 0:
+        raise ValueError(
+            f"infer.video_fps={settings.video_fps}: expected frames per second > 0 (or infer.save_video=false)"
+        )
     if not settings.checkpoint:
         raise ValueError(
             "infer.checkpoint is null; give the weights to run (ours, an official .pth or a Lightning .ckpt)"

@@ -84,9 +84,10 @@ BOOKKEEPING = (".hydra", "config_resolved.yaml", "run_info.json", "hparams.yaml"
 _claim_files: list[Path] = []
 
 
-def remove_if_unused(run_dir: Path) -> bool:
-    """Delete a run directory that holds only bookkeeping (a run that failed before it started); True if
-    deleted. Anything else in it (a checkpoint, metrics, flow files) keeps the whole directory."""
+def remove_if_unused(run_dir: Path, log_dir: Path | None = None) -> bool:
+    """Delete a run directory that holds only bookkeeping (a run that failed before it started), and the
+    folders above it inside `log_dir` (paths.log_dir) it leaves empty; True if deleted. Anything else in it (a
+    checkpoint, metrics, flow files) keeps the whole directory."""
     if not run_dir.is_dir():
         return False
     for path in run_dir.rglob("*"):
@@ -95,7 +96,39 @@ def remove_if_unused(run_dir: Path) -> bool:
         if path.is_file() and not bookkeeping:
             return False
     shutil.rmtree(run_dir, ignore_errors=True)
+    if log_dir is not None:
+        remove_empty_parents(run_dir, log_dir)
     return True
+
+
+def remove_empty_parents(path: Path, root: Path) -> None:
+    """rmdir the folders above `path` up to (not including) `root` while they are empty."""
+    root = root.resolve()
+    for parent in path.resolve().parents:
+        if not parent.is_relative_to(root) or parent == root:
+            return
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (another run's), or not ours to remove
+            return
+
+
+# The settings that each name one folder of the run directory, <paths.log_dir>/<task>/<name>/ (conf/hydra/).
+FOLDER_SETTINGS = ("task", "name")
+
+
+def check_folder_names(config: DictConfig) -> None:
+    """Exit with one line unless `task` and `name` are plain folder names: a `/` or `..` would put the run
+    outside paths.log_dir."""
+    for setting in FOLDER_SETTINGS:
+        value = str(config.get(setting))
+        if value in ("", ".", "..") or "/" in value or os.sep in value:
+            print(
+                f"error: {setting}={value!r} names a folder of the run directory under paths.log_dir: give one "
+                "plain folder name (no '/', not '..')",
+                file=sys.stderr,
+            )
+            raise SystemExit(1)
 
 
 def register_resolvers() -> None:
@@ -187,9 +220,11 @@ class RunDirGuard(Callback):
     """Checks and claims the run / sweep directory before Hydra writes its files there."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_folder_names(config)
         check_output_dir(config.hydra.run.dir, "hydra.run.dir", claim=not joins_existing_run())
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_folder_names(config)
         check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", claim=not joins_existing_run())
 
 

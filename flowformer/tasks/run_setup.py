@@ -63,6 +63,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     checkpoint directories are writable, the run record is written, cfg.monitor is resolved, `ckpt_path` fits
     `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
     resume); the loggers get the whole config, and a wandb run's id is stored beside the checkpoints."""
+    check_validation_interval(cfg.trainer.get("val_check_interval"))
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir)
     monitor = set_monitor(cfg, datamodule)
@@ -99,6 +100,23 @@ def checked_resume(
     if best_dir is not None:
         forget_best_of_other_dirs(checkpoint, best_dir)
     return cfg.ckpt_path, checkpoint
+
+
+def seed_run(seed: int) -> None:
+    """Lightning's seed_everything (DataLoader workers too); a seed outside its range names `seed`."""
+    try:
+        L.seed_everything(seed, workers=True)
+    except ValueError as error:
+        raise ValueError(f"seed={seed}: {error}; choose a seed in that range") from None
+
+
+def check_validation_interval(interval: float | None) -> None:
+    """trainer.val_check_interval: a number of training steps (>= 1), a fraction of an epoch, or null."""
+    if interval is not None and interval <= 0:
+        raise ValueError(
+            f"trainer.val_check_interval={interval}: expected a number of training steps >= 1, a fraction of "
+            "an epoch in (0, 1], or null (once an epoch)"
+        )
 
 
 def check_output_dirs(cfg: DictConfig) -> Path:

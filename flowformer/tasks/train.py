@@ -9,7 +9,7 @@ import lightning as L
 from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
-from flowformer.tasks.run_setup import PreparedRun, prepare_run
+from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer)."""
-    L.seed_everything(cfg.seed, workers=True)
+    seed_run(cfg.seed)
     datamodule = hydra.utils.instantiate(cfg.data)
     model = build_model(cfg)
     run = prepare_run(cfg, datamodule, model)
