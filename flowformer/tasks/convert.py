@@ -6,7 +6,8 @@ Lightning `.ckpt` -> the released layout, the architecture the one stored in the
     python run.py task=convert convert.input=<run>/checkpoints/last.ckpt convert.output=ff.pth \
         convert.to_official=true
 
-The same conversion as `python -m flowformer.models.convert` (flowformer/models/convert.py).
+The same conversion as `python -m flowformer.models.convert` (flowformer/models/convert.py). An existing
+`convert.output` is refused unless `convert.overwrite=true`; `convert.input` itself is never written.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from flowformer.models.convert import convert
-from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,13 @@ log = logging.getLogger(__name__)
 def run(cfg: DictConfig) -> None:
     settings = cfg.convert
     output = Path(settings.output)
+    if output.resolve() == Path(settings.input).resolve():
+        raise OutputPathError(
+            f"convert.output {output} is convert.input: the conversion would replace the file it reads (also "
+            "with convert.overwrite=true); choose another convert.output"
+        )
     ensure_writable_dir(output.parent, "the directory of convert.output")
+    refuse_existing([output], "convert.output", "convert.overwrite", settings.overwrite)
     knobs = OmegaConf.to_container(cfg.backbone, resolve=True)
     knobs.pop("_target_", None)
     message = convert(settings.input, output, to_official=settings.to_official, knobs=knobs)

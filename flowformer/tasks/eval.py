@@ -20,7 +20,8 @@ iterations `iters` (FF: 32 Sintel, 24 KITTI; FF++: 12). Kinds and their metrics 
 - `sintel_submission` / `kitti_submission`: test sets; write .flo trees / 16-bit PNGs.
 
 `eval.tile=true` switches every set from padding to Gaussian tiling with its `tile_size` and `tile_pad_mode`.
-Writes `eval.results_json` and prints a table; returns the first scored set's `epe` (for sweepers).
+Writes `eval.results_json` and prints a table; returns the first scored set's `epe` (for sweepers). An
+existing `eval.results_json` or submission folder is refused before any work unless `eval.overwrite=true`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 from flowformer.eval.protocol import EvalSet, Protocol, require_finite_flow
 from flowformer.metrics import NothingScoredError
 from flowformer.models.output_files import atomic_write_text
-from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import autocast_context, compile_network, load_network, pick_device
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,11 @@ def submission_writer(kind: str) -> Callable[[Path, Any, Mapping[str, Any]], Non
     from flowformer.eval import submission
 
     return submission.write_sintel_item if kind == "sintel_submission" else submission.write_kitti_item
+
+
+def submission_folder(submission_dir: Path, protocol: Protocol) -> Path:
+    """Where a test set's submission goes: `submission_dir`/sintel or `submission_dir`/kitti."""
+    return submission_dir / protocol.kind.removesuffix("_submission")
 
 
 def _single(batch: list[dict[str, Any]]) -> dict[str, Any]:
@@ -101,8 +107,8 @@ def evaluate_set(
             flow = protocol.predict(net, image1, image2)["flow"]  # [1,2,H,W] fp32
         require_finite_flow(flow, f"eval set {name}, pair {index}")
         if write_item is not None:
-            family = protocol.kind.removesuffix("_submission")
-            write_item(submission_dir / family, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
+            folder = submission_folder(submission_dir, protocol)
+            write_item(folder, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
         else:
             if "flow" not in item:
                 raise ValueError(
@@ -221,6 +227,23 @@ def write_results(
     log.info("wrote %s", output)
 
 
+def check_outputs(settings: DictConfig, protocols: list[Protocol], submission_dir: Path | None) -> None:
+    """Before any work: eval.results_json is not the checkpoint, and an existing results file or submission
+    folder (sintel/, kitti/) that this run would write is kept unless eval.overwrite=true."""
+    results_json = Path(settings.results_json)
+    if settings.get("checkpoint") and results_json.resolve() == Path(settings.checkpoint).resolve():
+        raise OutputPathError(
+            f"eval.results_json {results_json} is eval.checkpoint: the results would replace the weights "
+            "(also with eval.overwrite=true); choose another eval.results_json"
+        )
+    refuse_existing([results_json], "eval.results_json", "eval.overwrite", settings.overwrite)
+    if submission_dir is None:
+        return
+    folders = sorted({submission_folder(submission_dir, p) for p in protocols if p.writes_submission})
+    submitted = [path for folder in folders for path in sorted(folder.rglob("*")) if path.is_file()]
+    refuse_existing(submitted, "eval.submission_dir", "eval.overwrite", settings.overwrite)
+
+
 def run(cfg: DictConfig) -> float | None:
     settings = cfg.eval
     sets = open_sets(settings)
@@ -228,6 +251,7 @@ def run(cfg: DictConfig) -> float | None:
     submission_dir = None
     if settings.get("submission_dir"):
         submission_dir = ensure_writable_dir(settings.submission_dir, "eval.submission_dir")
+    check_outputs(settings, [protocol for protocol, _ in sets.values()], submission_dir)
     device = pick_device(settings.device)
     net = load_eval_network(cfg, device)
 

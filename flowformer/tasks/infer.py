@@ -6,7 +6,9 @@
 
 Each consecutive pair (i, i+1) gives `<name of frame i>.flo` (or a KITTI 16-bit `.png`) and, with
 `infer.save_png`, a Middlebury colour-wheel picture `<name>_flow.png` in `infer.output_dir`; with
-`infer.save_video`, the colour-coded flow of every pair also goes to `flow.mp4` there. Any image size works:
+`infer.save_video`, the colour-coded flow of every pair also goes to `flow.mp4` there. Outputs that exist
+already are refused before any work unless `infer.overwrite=true`; `infer.output_dir` is never the input
+folder and an output never replaces an input, with or without it. Any image size works:
 inputs are padded to a multiple of 8 and the flow cropped back. Frames are decoded one at a time, and the
 progress bar shows pairs per second. Prediction is task=eval's (`flowformer/eval/protocol.py`,
 `Protocol.predict`) with `infer.iters` iterations and `infer.pad_mode` padding.
@@ -34,7 +36,7 @@ from rich.text import Text
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
 from flowformer.eval.protocol import Protocol, require_finite_flow
-from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
     autocast_context,
     available_memory_gb,
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".tif", ".tiff", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg")
+VIDEO_NAME = "flow.mp4"  # the colour-coded flow of every pair, in infer.output_dir
 
 
 def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray], int]:
@@ -151,6 +154,38 @@ def memory_budget(backbone_cfg: DictConfig, device: torch.device) -> DictConfig:
     return OmegaConf.merge(backbone_cfg, {"memory_budget_gb": budget})
 
 
+def output_paths(settings: DictConfig, output_dir: Path, name: str) -> tuple[Path, Path]:
+    """Where the pair that starts at frame `name` goes: its flow (`<name>.flo`, or `<name>.png` in KITTI's
+    format) and its colour picture (`<name>_flow.png`)."""
+    suffix = ".flo" if settings.format == "flo" else ".png"
+    return output_dir / f"{name}{suffix}", output_dir / f"{name}_flow.png"
+
+
+def check_outputs(settings: DictConfig, names: list[str], output_dir: Path) -> None:
+    """Before any work: the outputs never replace an input, the output folder is not the input folder (a later
+    run would read the flow pictures as frames), and an earlier run's outputs are kept unless
+    infer.overwrite=true."""
+    sources = settings.input if isinstance(settings.input, (list, tuple, ListConfig)) else [settings.input]
+    inputs = {Path(source).resolve() for source in sources}
+    if output_dir.resolve() in inputs:
+        raise OutputPathError(
+            f"infer.output_dir {output_dir} is the input folder: a later run would read the flow pictures as "
+            "frames, and KITTI .png flow would replace frames; choose another infer.output_dir"
+        )
+    outputs = []
+    for name in names[:-1]:
+        flow_path, picture_path = output_paths(settings, output_dir, name)
+        outputs += [flow_path, picture_path] if settings.save_png else [flow_path]
+    if settings.save_video:
+        outputs.append(output_dir / VIDEO_NAME)
+    if clash := next((path for path in outputs if path.resolve() in inputs), None):
+        raise OutputPathError(
+            f"infer.output_dir: the output {clash} would replace that input (also with infer.overwrite=true); "
+            "choose another infer.output_dir"
+        )
+    refuse_existing(outputs, "infer.output_dir", "infer.overwrite", settings.overwrite)
+
+
 def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     if settings.format not in ("flo", "kitti"):
@@ -165,6 +200,7 @@ def run(cfg: DictConfig) -> None:
         )
     names, frames, count = list_frames(settings.input)
     output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
+    check_outputs(settings, names, output_dir)
     device = pick_device(settings.device)
     precision = settings.precision
     if precision == "auto":
@@ -192,17 +228,17 @@ def run(cfg: DictConfig) -> None:
             if settings.warm_start:
                 flow_init = forward_project(output["flow_low"].float())
             flow = output["flow"][0].permute(1, 2, 0).cpu().numpy()  # [H,W,2]
-            stem = output_dir / names[index]
+            flow_path, picture_path = output_paths(settings, output_dir, names[index])
             if settings.format == "flo":
-                write_flo(stem.with_suffix(".flo"), flow)
+                write_flo(flow_path, flow)
             else:
-                write_kitti_flow(stem.with_suffix(".png"), flow)
+                write_kitti_flow(flow_path, flow)
             picture = flow_to_color(flow)  # uint8 [H,W,3] RGB
             if settings.save_png:
-                write_image(output_dir / f"{names[index]}_flow.png", picture)
+                write_image(picture_path, picture)
             if settings.save_video:
                 if video is None:
-                    video = open_video(output_dir / "flow.mp4", settings.video_fps, picture.shape)
+                    video = open_video(output_dir / VIDEO_NAME, settings.video_fps, picture.shape)
                 video.write(cv2.cvtColor(picture, cv2.COLOR_RGB2BGR))
             previous = current
     if video is not None:

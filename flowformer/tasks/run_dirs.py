@@ -11,9 +11,10 @@ and writable, and a fresh run (not a process joining its job's directory) must f
 (:func:`claim_dir`: a ``.run_claim`` file created exclusively, so of two runs given the same directory at the
 same time exactly one gets it); training claims its checkpoint directories the same way.
 :func:`ensure_writable_dir` is the writability check for every output location (the run and checkpoint
-directories, task=eval's, task=infer's and task=convert's outputs). :func:`remove_if_unused` deletes the
-directory of a run that failed before producing anything, and when the process ends,
-:func:`release_unused_claims` gives back the directories it claimed but wrote nothing into.
+directories, task=eval's, task=infer's and task=convert's outputs); :func:`refuse_existing` keeps their
+earlier files unless the task's ``overwrite`` setting is true. :func:`remove_if_unused` deletes the directory
+of a run that failed before producing anything, and when the process ends, :func:`release_unused_claims`
+gives back the directories it claimed but wrote nothing into.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,20 @@ def release_unused_claims() -> None:
         claim = _claim_files.pop()
         if claim.is_file() and [p.name for p in claim.parent.iterdir()] == [CLAIM_FILE]:
             claim.unlink()
+
+
+def refuse_existing(outputs: Iterable[Path], setting: str, overwrite_setting: str, overwrite: bool) -> None:
+    """An OutputPathError naming the `outputs` that exist already (an earlier run's results), unless
+    `overwrite`."""
+    existing = [path for path in outputs if path.exists()]
+    if existing and not overwrite:
+        what = f"{existing[0]} exists already"
+        if len(existing) > 1:
+            what = f"{len(existing)} of its files exist already ({existing[0]}, ...)"
+        raise OutputPathError(
+            f"{setting}: {what}; choose another {setting}, or pass {overwrite_setting}=true to replace "
+            f"{'them' if len(existing) > 1 else 'it'}"
+        )
 
 
 def check_output_dir(path: str | Path, setting: str, *, claim: bool) -> None:

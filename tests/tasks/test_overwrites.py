@@ -3,16 +3,24 @@ runs given one directory at the same time exactly one gets it); task=convert, ta
 to replace existing outputs unless their `overwrite` setting is true, and never write over (or read back)
 their own inputs."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import cv2
+import hydra
+import numpy as np
 import pytest
 import torch
 
-from flowformer.tasks import run_dirs
+from flowformer.data.io import read_flo
+from flowformer.models import save_backbone
+from flowformer.models.checkpoint import export_official, load_backbone
+from flowformer.tasks import run_dirs, run_task
 
+from helpers.compose import compose_tiny_config as config
 from helpers.configs import REPO_DIR
 from helpers.run import run_py
 
@@ -110,3 +118,164 @@ def test_a_claim_is_given_back_only_where_its_run_wrote_nothing(tmp_path):
     run_dirs.release_unused_claims()
     assert not list(unused.iterdir())
     assert sorted(p.name for p in used.iterdir()) == [run_dirs.CLAIM_FILE, "last.ckpt"]
+
+
+def refusal(cfg, capsys) -> str:
+    """run_task(cfg) must exit 1 with one error line; that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_task(cfg)
+    assert exit_info.value.code == 1
+    (error,) = error_lines(capsys.readouterr().err)
+    return error
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def official(tmp_path) -> Path:
+    """A released-layout .pth of the tiny backbone."""
+    torch.manual_seed(0)
+    path = tmp_path / "released.pth"
+    export_official(hydra.utils.instantiate(config().backbone), path)
+    return path
+
+
+def convert_config(source: Path, output: Path, *overrides: str):
+    return config("task=convert", f"convert.input={source}", f"convert.output={output}", *overrides)
+
+
+def test_convert_never_writes_its_input_even_with_overwrite(official, capsys):
+    before = official.read_bytes()
+    error = refusal(convert_config(official, official, "convert.overwrite=true"), capsys)
+    assert f"convert.output {official} is convert.input" in error
+    assert official.read_bytes() == before
+
+
+def test_convert_keeps_an_existing_output_unless_overwrite(official, tmp_path, capsys):
+    output = tmp_path / "ours.ckpt"
+    output.write_bytes(b"an earlier conversion")
+    error = refusal(convert_config(official, output), capsys)
+    assert f"convert.output: {output} exists already" in error and "convert.overwrite=true" in error
+    assert output.read_bytes() == b"an earlier conversion"
+    run_task(convert_config(official, output, "convert.overwrite=true"))
+    released = torch.load(official, weights_only=True)
+    assert sorted(f"module.{key}" for key in load_backbone(output).state_dict()) == sorted(released)
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """Our backbone file of the tiny backbone."""
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.pt"
+    save_backbone(path, hydra.utils.instantiate(config().backbone))
+    return path
+
+
+def write_frames(folder: Path, names: list[str]) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = [folder / name for name in names]
+    for path in paths:
+        cv2.imwrite(str(path), rng.integers(0, 255, (40, 48, 3), dtype=np.uint8))
+    return paths
+
+
+def infer_config(source, output_dir: Path, checkpoint: Path, *overrides: str):
+    return config(
+        "task=infer",
+        f"infer.input={source}",
+        f"infer.output_dir={output_dir}",
+        f"infer.checkpoint={checkpoint}",
+        "infer.iters=1",
+        "infer.device=cpu",
+        *overrides,
+    )
+
+
+def test_infer_keeps_earlier_outputs_unless_overwrite(tmp_path, checkpoint, capsys):
+    frames, out = tmp_path / "frames", tmp_path / "out"
+    write_frames(frames, ["a.png", "b.png", "c.png"])
+    run_task(infer_config(frames, out, checkpoint))
+    earlier = contents(out)
+    assert sorted(earlier) == ["a.flo", "a_flow.png", "b.flo", "b_flow.png", "flow.mp4"]
+    error = refusal(infer_config(frames, out, checkpoint), capsys)
+    assert "infer.output_dir: 5 of its files exist already" in error and "infer.overwrite=true" in error
+    assert contents(out) == earlier
+    run_task(infer_config(frames, out, checkpoint, "infer.overwrite=true"))
+    assert sorted(contents(out)) == sorted(earlier)
+
+
+def test_infer_refuses_the_input_folder_as_output_dir_even_with_overwrite(tmp_path, checkpoint, capsys):
+    frames = tmp_path / "frames"
+    write_frames(frames, ["a.png", "b.png"])
+    before = contents(frames)
+    error = refusal(infer_config(frames, frames, checkpoint, "infer.overwrite=true"), capsys)
+    assert f"infer.output_dir {frames} is the input folder" in error
+    assert contents(frames) == before  # no a_flow.png a later run would read as a frame
+
+
+def test_infer_never_replaces_an_input_frame(tmp_path, checkpoint, capsys):
+    first, second = write_frames(tmp_path / "pair", ["a.png", "b.png"])
+    before = contents(tmp_path / "pair")
+    overrides = ("infer.format=kitti", "infer.overwrite=true")  # KITTI flow of pair a -> b is a.png
+    error = refusal(infer_config(f"[{first},{second}]", tmp_path / "pair", checkpoint, *overrides), capsys)
+    assert f"the output {first} would replace that input" in error
+    assert contents(tmp_path / "pair") == before
+
+
+def test_infer_gives_frames_with_dots_in_their_names_their_own_flow_files(tmp_path, checkpoint):
+    frames, out = tmp_path / "frames", tmp_path / "out"
+    write_frames(frames, ["clip.0001.png", "clip.0002.png", "clip.0003.png"])
+    run_task(infer_config(frames, out, checkpoint, "infer.save_png=false", "infer.save_video=false"))
+    assert sorted(contents(out)) == ["clip.0001.flo", "clip.0002.flo"]
+
+
+def eval_config(tmp_path: Path, *overrides: str):
+    return config(
+        "task=eval",
+        "eval=synthetic",
+        "eval.max_samples=1",
+        "eval.benchmarks.synthetic.iters=1",
+        f"paths.output_dir={tmp_path / 'out'}",
+        *overrides,
+    )
+
+
+def test_eval_keeps_an_existing_results_json_unless_overwrite(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    results.write_text("an earlier evaluation")
+    error = refusal(eval_config(tmp_path, f"eval.results_json={results}"), capsys)
+    assert f"eval.results_json: {results} exists already" in error and "eval.overwrite=true" in error
+    assert results.read_text() == "an earlier evaluation"
+    run_task(eval_config(tmp_path, f"eval.results_json={results}", "eval.overwrite=true"))
+    assert "synthetic" in json.loads(results.read_text())["results"]
+
+
+def test_eval_never_writes_its_checkpoint_even_with_overwrite(tmp_path, checkpoint, capsys):
+    before = checkpoint.read_bytes()
+    overrides = (f"eval.checkpoint={checkpoint}", f"eval.results_json={checkpoint}", "eval.overwrite=true")
+    error = refusal(eval_config(tmp_path, *overrides), capsys)
+    assert f"eval.results_json {checkpoint} is eval.checkpoint" in error
+    assert checkpoint.read_bytes() == before
+
+
+def test_eval_keeps_an_earlier_submission_unless_overwrite(tmp_path, capsys):
+    data = tmp_path / "data"
+    write_frames(data / "Sintel" / "test" / "clean" / "alley_9", ["frame_0001.png", "frame_0002.png"])
+    submission = tmp_path / "submission"
+    earlier = submission / "sintel" / "clean" / "alley_9" / "frame0001.flo"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_bytes(b"an earlier submission")
+    overrides = (
+        "eval.sets=[sintel_test_clean]",
+        "eval.benchmarks.sintel_test_clean.iters=1",
+        f"paths.data_dir={data}",
+        f"eval.submission_dir={submission}",
+    )
+    error = refusal(eval_config(tmp_path, *overrides), capsys)
+    assert f"eval.submission_dir: {earlier} exists already" in error and "eval.overwrite=true" in error
+    assert earlier.read_bytes() == b"an earlier submission"
+    run_task(eval_config(tmp_path, *overrides, "eval.overwrite=true"))
+    assert read_flo(earlier).shape == (40, 48, 2)
