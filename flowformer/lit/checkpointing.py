@@ -4,8 +4,9 @@
   a temporary file beside the target and renamed over it, so a failed write (disk full, permission) leaves the
   previous file whole; every read, resume included, goes through ``torch.load(weights_only=True)`` whatever
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says, so a checkpoint cannot run code.
-- :class:`LastCheckpoint` writes ``<dir>/last.ckpt`` every ``every_n_train_steps`` and when training ends (max
-  steps, max time, max epochs), whatever validation says; ``ModelCheckpoint`` keeps only the best by the monitor.
+- :class:`LastCheckpoint` writes ``<dir>/last.ckpt`` every ``every_n_train_steps``, when training ends (max
+  steps, max time, max epochs), whatever validation says, and when a stop signal ends it early (SIGTERM,
+  SIGUSR1: flowformer/tasks/preemption.py); ``ModelCheckpoint`` keeps only the best by the monitor.
 - :class:`RandomStates` saves the global torch / numpy / Python random states, so a resumed run draws the same
   numbers (pixel noise, anything using the global stream) as the run it continues.
 """
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from flowformer.lit.base import BackboneModule
 from flowformer.lit.flow import FlowModule
@@ -61,8 +63,11 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
 
 class LastCheckpoint(Checkpoint):
-    """``<dirpath>/last.ckpt``: the full training state every ``every_n_train_steps`` optimiser steps and at the
-    end of training. A ``Checkpoint`` subclass, so Lightning runs it after the other callbacks of a step."""
+    """``<dirpath>/last.ckpt``: the full training state every ``every_n_train_steps`` optimiser steps, at the
+    end of training, and at the step a stop signal came in: Lightning notes SIGTERM
+    (``trainer.received_sigterm``) and ends training with ``SIGTERMException`` after that step (or during the
+    validation that follows it). A ``Checkpoint`` subclass, so Lightning runs it after the other callbacks of a
+    step."""
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int = 500) -> None:
         if every_n_train_steps < 1:
@@ -79,11 +84,17 @@ class LastCheckpoint(Checkpoint):
         return self.dirpath / LAST_CHECKPOINT
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step % self.every_n_train_steps == 0:
+        # every process of a DDP run decides alike: a signal seen by one of them saves on all
+        stop = trainer.strategy.reduce_boolean_decision(trainer.received_sigterm, all=False)
+        if trainer.global_step % self.every_n_train_steps == 0 or stop:
             self._save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._save(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self._save(trainer)
 
     def _save(self, trainer: L.Trainer) -> None:
         if trainer.sanity_checking or self._saved_step == trainer.global_step:

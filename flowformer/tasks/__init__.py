@@ -5,7 +5,8 @@ the backbone, an output location that cannot be written) are printed once, as on
 into run.log), and exit with status 1 instead of a traceback; FLOWFORMER_TRACEBACK=1 prints the whole
 traceback before that line. A run that fails before producing anything leaves no run directory behind. Loggers
 are always closed, also on error. In a multirun a failed job (also one failing from a bug, whose traceback is
-printed) is recorded and the sweep goes on (flowformer/tasks/sweeps.py).
+printed) is recorded and the sweep goes on (flowformer/tasks/sweeps.py). A run stopped by SIGTERM or SIGUSR1
+logs one line and exits with status 128 + the signal's number, a sweep too (flowformer/tasks/preemption.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from flowformer.models.output_files import OutputWriteError
+from flowformer.tasks.preemption import StoppedBySignal
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 from flowformer.tasks.runtime import configure_runtime
 from flowformer.tasks.sweeps import in_multirun, record_failed_job
@@ -60,6 +62,9 @@ def run_task(cfg: DictConfig) -> float | None:
         module = task_module(cfg.get("task"))
         configure_runtime(cfg.runtime)
         return module.run(cfg)
+    except StoppedBySignal as stop:  # the work so far is saved; the status says it did not finish (a sweep ends)
+        log.warning(stop.message)
+        raise
     except Exception as error:
         user_error = find_user_error(error)
         if user_error is None and not in_multirun():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import cv2
@@ -36,6 +37,7 @@ from rich.text import Text
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
 from flowformer.eval.protocol import Protocol, require_finite_flow
+from flowformer.tasks.preemption import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
     autocast_context,
@@ -214,8 +216,14 @@ def run(cfg: DictConfig) -> None:
     previous = to_tensor(next(frames), device)
     flow_init = None
     columns = (TextColumn("flow"), BarColumn(), MofNCompleteColumn(), PairsPerSecond())
-    with Progress(*columns) as progress:
+    with Progress(*columns) as progress, StopSignals() as stop, ExitStack() as on_exit:
         for index, frame in enumerate(progress.track(frames, total=count - 1), start=0):
+            if stop.received:  # SIGTERM / SIGUSR1: the pairs done are complete, flow.mp4 is closed on exit
+                raise StoppedBySignal(
+                    stop.received,
+                    f"task=infer stopped by {stop.received.name} after {index} of {count - 1} pairs: their "
+                    f"outputs are in {output_dir}",
+                )
             current = to_tensor(frame, device)
             if current.shape != previous.shape:
                 raise ValueError(
@@ -239,10 +247,9 @@ def run(cfg: DictConfig) -> None:
             if settings.save_video:
                 if video is None:
                     video = open_video(output_dir / VIDEO_NAME, settings.video_fps, picture.shape)
+                    on_exit.callback(video.release)  # also on an error or a stop: playable, with the pairs done
                 video.write(cv2.cvtColor(picture, cv2.COLOR_RGB2BGR))
             previous = current
-    if video is not None:
-        video.release()
     log.info("wrote %d flow fields to %s", count - 1, output_dir)
 
 

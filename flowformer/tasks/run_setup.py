@@ -31,6 +31,7 @@ from flowformer.lit.checkpointing import (
     forget_best_of_other_dirs,
 )
 from flowformer.models.output_files import atomic_write_text
+from flowformer.tasks.preemption import Preemption
 from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,15 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     """Everything `trainer.fit(model, datamodule)` needs around them, checked before any training: the run and
     checkpoint directories are writable, the run record is written, cfg.monitor is resolved, `ckpt_path` fits
     `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
-    resume); the loggers get the whole config, and a wandb run's id is stored beside the checkpoints."""
+    resume, and Preemption for the stop signals); the loggers get the whole config, and a wandb run's id is
+    stored beside the checkpoints."""
     check_validation_interval(cfg.trainer.get("val_check_interval"))
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir)
     monitor = set_monitor(cfg, datamodule)
     resume = checked_resume(cfg, datamodule, model) if cfg.get("ckpt_path") else None
     loggers = build_loggers(cfg)
-    callbacks = [*build_callbacks(cfg), RandomStates()]
+    callbacks = [*build_callbacks(cfg), RandomStates(), Preemption()]
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )

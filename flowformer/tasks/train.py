@@ -6,9 +6,11 @@ import logging
 
 import hydra
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
+from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network
 
@@ -16,12 +18,19 @@ log = logging.getLogger(__name__)
 
 
 def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
-    """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer)."""
+    """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer). A
+    requeued SLURM job resumes from its previous run's checkpoint; a stop signal (SIGTERM, SIGUSR1) ends
+    training after the step in progress, with last.ckpt at that step (StoppedBySignal)."""
     seed_run(cfg.seed)
+    resume_requeued_job(cfg)
     datamodule = hydra.utils.instantiate(cfg.data)
     model = build_model(cfg)
     run = prepare_run(cfg, datamodule, model)
-    run.trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    record_for_requeue(cfg)
+    try:
+        run.trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    except SIGTERMException:
+        raise stopped_training(run.trainer) from None
     return monitored_value(run), run.trainer
 
 

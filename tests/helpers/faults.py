@@ -24,6 +24,24 @@ class KillAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SignalAtStep(L.Callback):
+    """Send the process `signal_name` (SIGTERM, SIGUSR1, ...) when the batch after `step` optimiser steps starts:
+    the signal arrives during step `step` + 1. With `group`, the whole process group gets it (DataLoader workers
+    too), as from SLURM or a terminal: only for a run started in a session of its own."""
+
+    def __init__(self, step: int, signal_name: str, group: bool = False) -> None:
+        self.step = step
+        self.signum = getattr(signal, signal_name)
+        self.group = group
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            if self.group:
+                os.killpg(os.getpgrp(), self.signum)
+            else:
+                os.kill(os.getpid(), self.signum)
+
+
 def fill_disk(folder: str | Path, patch: Callable[[object, str, object], None] = setattr) -> str:
     """Make the disk of `folder` full and say how. On a tmpfs mounted at `folder` ("tmpfs"), a filler file grows
     until the kernel answers ENOSPC. Elsewhere ("simulated": where mounting one is not permitted), every write

@@ -81,7 +81,36 @@ def test_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path, every
     assert start == kill_at - 1 - (kill_at - 1) % every_n
 
     run_py(*overrides, f"hydra.run.dir={resumed}", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    assert_continues(reference, resumed, start)
 
+
+def test_a_run_stopped_by_sigterm_resumes_as_the_uninterrupted_one(uninterrupted, tmp_path):
+    """last.ckpt written when SIGTERM stopped the run (during step 7, mid-epoch; no periodic save before)."""
+    overrides, reference = uninterrupted
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    stop = [
+        "+callbacks.stop._target_=helpers.faults.SignalAtStep",
+        "+callbacks.stop.step=6",
+        "+callbacks.stop.signal_name=SIGTERM",
+    ]
+    result = run_py(
+        *overrides,
+        f"hydra.run.dir={first}",
+        "callbacks.last_checkpoint.every_n_train_steps=100",
+        *stop,
+        env=ENV,
+        expect_ok=False,
+    )
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+    assert last(first)["global_step"] == 7
+
+    run_py(*overrides, f"hydra.run.dir={resumed}", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    assert_continues(reference, resumed, 7)
+
+
+def assert_continues(reference: Path, resumed: Path, start: int) -> None:
+    """The run `resumed` from step `start` logged the losses of the `reference` run from there, bitwise, and
+    ended with its weights."""
     expected, got = losses(reference), losses(resumed)
     assert sorted(got) == [step for step in sorted(expected) if step >= start]
     assert all(got[step] == expected[step] for step in got), (got, expected)

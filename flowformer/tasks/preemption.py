@@ -1,0 +1,192 @@
+"""Stopping on a scheduler's signal without losing work, and a requeued SLURM job resuming by itself.
+
+SIGTERM (preemption, `scancel`, the end of a time limit, torchrun stopping its workers) and SIGUSR1 (SLURM's
+warning before the time limit, `#SBATCH --signal=SIGUSR1@90`) stop a run at the end of the unit of work in
+progress, with its files complete; the run logs one line (also into run.log) and exits with status 128 + the
+signal's number (143 for SIGTERM, 138 for SIGUSR1), so a scheduler sees a failure, not a success.
+
+- Training (task=train, task=pretrain) builds on Lightning: its SIGTERM handler sets
+  `trainer.received_sigterm` and its loops raise `SIGTERMException` at the end of the step in progress; `LastCheckpoint` writes
+  `last.ckpt` at that step (flowformer/lit/checkpointing.py). :class:`Preemption` makes SIGUSR1 stop the same
+  way where nothing else handles it, and remembers which signal came. Under SLURM, Lightning's auto-requeue
+  handles SIGUSR1 itself (`SLURMEnvironment`): it writes `hpc_ckpt_<n>.ckpt` into the run directory, runs
+  `scontrol requeue <job>`, and SLURM's SIGTERM then stops the run as above.
+- A requeued SLURM job runs the same command again, in a new run directory: :func:`resume_requeued_job` sets
+  its `ckpt_path` to the `last.ckpt` the job's previous run recorded (:func:`record_for_requeue`), so it
+  continues exactly as `ckpt_path=<that file>` would (Lightning's `hpc_ckpt_<n>.ckpt`, written in the middle
+  of a step, is not used).
+- task=infer stops at the end of the image pair in progress (:class:`StopSignals`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import Any, Self
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedBySignal(SystemExit):
+    """A run stopped by a stop signal once its work so far was saved: the process exits with status 128 + the
+    signal's number; `message` is the line the run logs."""
+
+    def __init__(self, signum: signal.Signals, message: str) -> None:
+        super().__init__(128 + int(signum))
+        self.message = message
+
+
+class StopSignals:
+    """``with StopSignals() as stop:`` SIGTERM and SIGUSR1 set ``stop.received`` (the first one) instead of
+    ending the process, for work that stops at a safe point of its own; the handlers before are put back."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> Self:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signal.Signals(signum)
+
+
+class Preemption(L.Callback):
+    """Training stops on SIGUSR1 as on SIGTERM (unless Lightning's SLURM auto-requeue handles SIGUSR1), and
+    ``received`` names the first stop signal. Installed when training starts, after Lightning's own handlers
+    (which Lightning puts back when the trainer tears down).
+
+    Processes forked while the trainer runs (DataLoader workers) ignore both signals: SLURM and a terminal
+    signal every process of the job, and a worker killed by one would end the main process with an error
+    before it could save; the main process ends its workers when it stops. (Lightning creates the first
+    workers before ``on_train_start``, and they would otherwise inherit its handlers.)"""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _forked_children.ignore_stop_signals = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        lightning_sigterm = signal.getsignal(signal.SIGTERM)
+        for signum in STOP_SIGNALS:
+            handler = signal.getsignal(signum)
+            if not callable(handler):  # SIGUSR1 outside SLURM: Lightning's SIGTERM handling, as for SIGTERM
+                handler = partial(lightning_sigterm, signal.SIGTERM)
+            else:
+                handler = partial(handler, signum)
+            signal.signal(signum, partial(self._note, handler))
+
+    def _note(self, handler: Callable[[FrameType | None], Any], signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signal.Signals(signum)
+        handler(frame)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        _forked_children.ignore_stop_signals = False
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        _forked_children.ignore_stop_signals = False
+
+
+class _ForkedChildren:
+    """Whether a child forked now ignores the stop signals (the hook runs in every child of an ``os.fork``)."""
+
+    def __init__(self) -> None:
+        self.ignore_stop_signals = False
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        if self.ignore_stop_signals:
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+
+
+_forked_children = _ForkedChildren()
+
+
+def stopped_training(trainer: L.Trainer) -> StoppedBySignal:
+    """What a training run stopped by a signal reports: the signal, the step, where `last.ckpt` is."""
+    preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
+    signum = (preemption.received if preemption else None) or signal.SIGTERM
+    last = last_checkpoint_path(trainer)
+    saved = (
+        f"{last} holds that step; resume with ckpt_path={last}"
+        if last is not None
+        else "nothing was saved (callbacks.last_checkpoint is off)"
+    )
+    return StoppedBySignal(
+        signum, f"training stopped by {signum.name} at step {trainer.global_step}: {saved}"
+    )
+
+
+def requeue_record(cfg: DictConfig) -> Path | None:
+    """Where a SLURM job's run records its `last.ckpt` for the job's requeued run: one file per job (each
+    array task has its own job id), srun step and command line, under paths.log_dir; None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None or not HydraConfig.initialized():
+        return None
+    step = os.environ.get("SLURM_STEP_ID")
+    command = "\n".join(HydraConfig.get().overrides.task)
+    digest = hashlib.sha256(command.encode()).hexdigest()[:12]
+    return Path(cfg.paths.log_dir) / "requeue" / f"slurm-{job}{f'.{step}' if step else ''}-{digest}.txt"
+
+
+def resume_requeued_job(cfg: DictConfig) -> None:
+    """In a requeued SLURM job (SLURM_RESTART_COUNT >= 1) without ckpt_path: ckpt_path becomes the newest
+    checkpoint the job's previous run recorded, when one exists."""
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    record = requeue_record(cfg)
+    if restarts < 1 or cfg.get("ckpt_path") or record is None or not record.is_file():
+        return
+    checkpoint = next((line for line in record.read_text().splitlines() if Path(line).is_file()), None)
+    job = os.environ["SLURM_JOB_ID"]
+    if checkpoint is None:
+        log.warning(
+            "requeued SLURM job %s (restart %d): its previous run saved no checkpoint (%s)",
+            job,
+            restarts,
+            record,
+        )
+        return
+    log.info("requeued SLURM job %s (restart %d): resuming from ckpt_path=%s", job, restarts, checkpoint)
+    cfg.ckpt_path = checkpoint
+
+
+@rank_zero_only
+def record_for_requeue(cfg: DictConfig) -> None:
+    """Under SLURM, the file :func:`resume_requeued_job` reads: this run's `last.ckpt` and, should this run be
+    stopped before it writes one, the checkpoint it resumed from (written atomically)."""
+    record = requeue_record(cfg)
+    last_cfg = (cfg.get("callbacks") or {}).get("last_checkpoint")
+    if record is None or last_cfg is None:
+        return
+    candidates = [Path(last_cfg.dirpath).resolve() / LAST_CHECKPOINT]
+    if cfg.get("ckpt_path"):
+        candidates.append(Path(cfg.ckpt_path).resolve())
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial_record = record.with_name(f".{record.name}.partial")
+    partial_record.write_text("".join(f"{path}\n" for path in candidates))
+    os.replace(partial_record, record)

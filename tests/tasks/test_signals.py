@@ -1,0 +1,234 @@
+"""Preemption and signals: SIGTERM and SIGUSR1 stop training and pretraining after the step in progress with
+last.ckpt at that step, one line in run.log and a non-zero status (DataLoader workers that get the signal too
+included); under SLURM, Lightning's auto-requeue requeues the job and the requeued job resumes from that
+last.ckpt; task=infer stops after the pair in progress with complete files and a playable flow.mp4; Ctrl-C
+during a checkpoint write leaves no temporary file."""
+
+import csv
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import cv2
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from flowformer.data.io import read_flo
+from flowformer.lit.checkpointing import LastCheckpoint, SafeCheckpointIO
+from flowformer.models import save_backbone
+from flowformer.tasks.preemption import Preemption
+
+from helpers.configs import REPO_DIR, build_backbone
+from helpers.faults import SignalAtStep
+from helpers.run import run_py, start_run_py
+from helpers.trainers import cpu_trainer
+
+ENV = {"PYTHONPATH": str(REPO_DIR / "tests")}
+TRAIN = ("debug=tiny", "trainer.max_steps=8", "data.num_workers=2")
+PRETRAIN = (
+    "task=pretrain",
+    "model=mcva",
+    "data=synthetic_video",
+    "backbone=tiny",
+    "trainer=cpu",
+    "data.train.num_samples=8",
+    "data.batch_size=2",
+    "data.num_workers=2",
+    "model.query_num=2",
+    "trainer.max_steps=8",
+    "trainer.enable_progress_bar=false",
+    "callbacks.progress_bar=null",
+)
+
+
+def signal_at(step: int, name: str, group: bool = False) -> list[str]:
+    """The overrides of a helpers.faults.SignalAtStep callback."""
+    return [
+        "+callbacks.stop._target_=helpers.faults.SignalAtStep",
+        f"+callbacks.stop.step={step}",
+        f"+callbacks.stop.signal_name={name}",
+        f"+callbacks.stop.group={group}",
+    ]
+
+
+def saved_step(checkpoint: Path) -> int:
+    return torch.load(checkpoint, weights_only=True)["global_step"]
+
+
+class Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_lightning_stops_after_the_step_a_signal_came_in(tmp_path, name):
+    """What the stop builds on: Lightning notes SIGTERM (Preemption turns SIGUSR1 into it), finishes the step,
+    raises SIGTERMException out of fit, and puts the signal handlers back when the trainer tears down."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    preemption = Preemption()
+    trainer = cpu_trainer(
+        enable_checkpointing=True,
+        max_steps=50,
+        callbacks=[SignalAtStep(step=3, signal_name=name), preemption, LastCheckpoint(tmp_path, 100)],
+        plugins=[SafeCheckpointIO()],
+    )
+    with pytest.raises(SIGTERMException):
+        trainer.fit(Linear(), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4))
+    assert trainer.global_step == 4 and preemption.received == getattr(signal, name)
+    assert saved_step(tmp_path / "last.ckpt") == 4  # only the stop wrote it (every 100 steps otherwise)
+    assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+@pytest.mark.parametrize(("task", "name"), [("train", "SIGTERM"), ("pretrain", "SIGUSR1")])
+def test_a_signal_to_the_whole_job_saves_last_ckpt_at_that_step_and_fails(tmp_path, task, name):
+    """As SLURM or a terminal does it: the signal reaches the DataLoader workers too."""
+    overrides = TRAIN if task == "train" else PRETRAIN
+    run_dir = tmp_path / "run"
+    result = run_py(
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        *signal_at(2, name, group=True),
+        env=ENV,
+        expect_ok=False,
+        new_session=True,
+        timeout=240,
+    )
+    assert result.returncode == 128 + getattr(signal, name), result.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert saved_step(last) == 3  # the signal came during step 3; the periodic save is every 500
+    lines = [line for line in (run_dir / "run.log").read_text().splitlines() if "stopped by" in line]
+    assert (
+        len(lines) == 1
+        and f"training stopped by {name} at step 3" in lines[0]
+        and f"ckpt_path={last}" in lines[0]
+    )
+    assert "Traceback" not in result.stderr and "DataLoader worker" not in result.stderr
+    assert not list(run_dir.rglob("*.partial"))
+
+
+SLURM_JOB = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_NTASKS": "1",
+    "SLURM_NNODES": "1",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+}
+
+
+def stub_scontrol(folder: Path) -> Path:
+    """An `scontrol` that records its arguments and then, as SLURM's requeue does, sends SIGTERM to its caller."""
+    folder.mkdir()
+    script = folder / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {folder / "calls"}\nkill -TERM $PPID\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return folder
+
+
+def test_slurm_requeues_on_sigusr1_and_the_requeued_job_resumes_from_last_ckpt(tmp_path):
+    stub = stub_scontrol(tmp_path / "bin")
+    env = {**ENV, **SLURM_JOB, "PATH": f"{stub}:{os.environ['PATH']}"}
+    command = (
+        "debug=tiny",
+        "trainer.max_steps=6",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        *signal_at(2, "SIGUSR1"),
+    )
+    first, requeued = tmp_path / "first", tmp_path / "requeued"
+
+    result = run_py(*command, f"hydra.run.dir={first}", env=env, expect_ok=False, timeout=240)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
+    assert (stub / "calls").read_text() == "requeue 4242\n"  # Lightning's auto-requeue ran scontrol
+    # SLURM's SIGTERM after the requeue stopped it after the step in progress
+    assert saved_step(first / "checkpoints" / "last.ckpt") == 3
+    assert list(first.glob("hpc_ckpt_*.ckpt"))  # Lightning's own, written inside the signal handler: not used
+
+    # SLURM starts the same command again, with the same job id
+    run_py(*command, f"hydra.run.dir={requeued}", env={**env, "SLURM_RESTART_COUNT": "1"}, timeout=240)
+    resumed = (
+        f"requeued SLURM job 4242 (restart 1): resuming from ckpt_path={first / 'checkpoints' / 'last.ckpt'}"
+    )
+    assert resumed in (requeued / "run.log").read_text()
+    with open(requeued / "csv" / "metrics.csv") as metrics:
+        steps = {int(row["step"]) for row in csv.DictReader(metrics)}
+    assert saved_step(requeued / "checkpoints" / "last.ckpt") == 6 and min(steps) >= 3, steps
+
+
+@pytest.fixture
+def frame_folder(tmp_path) -> Path:
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (40, 200, 3), dtype=np.uint8)
+    for i in range(60):
+        cv2.imwrite(str(folder / f"f{i:03d}.png"), np.ascontiguousarray(base[:, i : i + 56]))
+    return folder
+
+
+def test_sigterm_during_infer_leaves_complete_files_and_a_playable_video(tmp_path, frame_folder):
+    checkpoint = tmp_path / "tiny.pt"
+    save_backbone(checkpoint, build_backbone())
+    out = tmp_path / "out"
+    process = start_run_py(
+        "task=infer",
+        "backbone=tiny",
+        f"infer.checkpoint={checkpoint}",
+        f"infer.input={frame_folder}",
+        f"infer.output_dir={out}",
+        "infer.iters=2",
+        "infer.device=cpu",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.flo")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+
+    flows = sorted(out.glob("*.flo"))
+    assert 0 < len(flows) < 59 and not list(out.glob(".*.partial"))
+    assert all(read_flo(path).shape == (40, 56, 2) for path in flows)
+    video = cv2.VideoCapture(str(out / "flow.mp4"))
+    assert video.isOpened() and int(video.get(cv2.CAP_PROP_FRAME_COUNT)) == len(flows)
+    ok, picture = video.read()
+    assert ok and picture.shape == (40, 56, 3)
+    video.release()
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert f"task=infer stopped by SIGTERM after {len(flows)} of 59 pairs" in log
+
+
+@pytest.mark.parametrize("earlier", [True, False], ids=["earlier last.ckpt", "first write"])
+def test_ctrl_c_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, monkeypatch, earlier):
+    target = tmp_path / "last.ckpt"
+    io = SafeCheckpointIO()
+    if earlier:
+        io.save_checkpoint({"global_step": 1}, target)
+    real_save = torch.save
+
+    def interrupted_save(obj, file):
+        real_save(obj, file)  # some bytes are written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"global_step": 2, "weights": torch.zeros(1000)}, target)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["last.ckpt"] if earlier else [])
+    if earlier:
+        assert torch.load(target, weights_only=True) == {"global_step": 1}
