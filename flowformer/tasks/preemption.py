@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
+from flowformer.models.output_files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def resume_requeued_job(cfg: DictConfig) -> None:
 @rank_zero_only
 def record_for_requeue(cfg: DictConfig) -> None:
     """Under SLURM, the file :func:`resume_requeued_job` reads: this run's `last.ckpt` and, should this run be
-    stopped before it writes one, the checkpoint it resumed from (written atomically)."""
+    stopped before it writes one, the checkpoint it resumed from."""
     record = requeue_record(cfg)
     last_cfg = (cfg.get("callbacks") or {}).get("last_checkpoint")
     if record is None or last_cfg is None:
@@ -186,7 +187,4 @@ def record_for_requeue(cfg: DictConfig) -> None:
     candidates = [Path(last_cfg.dirpath).resolve() / LAST_CHECKPOINT]
     if cfg.get("ckpt_path"):
         candidates.append(Path(cfg.ckpt_path).resolve())
-    record.parent.mkdir(parents=True, exist_ok=True)
-    partial_record = record.with_name(f".{record.name}.partial")
-    partial_record.write_text("".join(f"{path}\n" for path in candidates))
-    os.replace(partial_record, record)
+    atomic_write_text(record, "".join(f"{path}\n" for path in candidates))
