@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.parsing import collect_init_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 
-from flowformer.models.checkpoint import current_backbone_config
+from flowformer.models.checkpoint import BackboneTargetError, backbone_builder
 
 # The official loops build OneCycleLR(total_steps=num_steps + 100): the schedule outlasts the run by 100.
 SCHEDULE_STEPS_AFTER_MAX_STEPS = 100
@@ -38,7 +38,8 @@ def check_finite(value: Tensor, what: str, step: int) -> None:
 
 def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
     """An nn.Module as is, or a `_target_` mapping (e.g. conf/backbone/*.yaml, or the `backbone`
-    hyper-parameters of a checkpoint, which may hold knobs FlowFormer no longer takes), built by Hydra."""
+    hyper-parameters of a checkpoint, which may hold knobs FlowFormer no longer takes), built by the package
+    builder its `_target_` names (`backbone_builder`: no other code is called, nested `_target_`s neither)."""
     if isinstance(backbone, nn.Module):
         return backbone
     if "_target_" not in backbone:
@@ -46,7 +47,8 @@ def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
             f"model.backbone must be an nn.Module or a config with `_target_` (see conf/backbone/); "
             f"got keys {sorted(backbone)}"
         )
-    return hydra.utils.instantiate(current_backbone_config(backbone))
+    builder, knobs = backbone_builder(plain_value(backbone), "model.backbone")
+    return builder(**knobs)
 
 
 def plain_value(value: Any) -> Any:
@@ -102,6 +104,14 @@ class BackboneModule(L.LightningModule):
             arguments.update(level)
         self.save_hyperparameters({name: plain_value(value) for name, value in arguments.items()})
         self.backbone = build_backbone(backbone)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's loader, with a refused backbone `_target_` (`build_backbone`) naming the checkpoint."""
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        except BackboneTargetError as error:
+            raise BackboneTargetError(f"checkpoint {checkpoint_path}: {error}") from None
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]

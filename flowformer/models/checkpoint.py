@@ -41,6 +41,10 @@ RETIRED_BACKBONE_KEYS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "tokenize_checkpoint": lambda on: {"activation_checkpoint": ["tokenize"] if on else []},
 }
 RETIRED_TARGETS = {"flowformer.models.FlowFormer": "flowformer.models.build_flowformer"}
+# The builders a backbone config may name as its `_target_` (that of conf/backbone/*.yaml): a network is rebuilt
+# from settings, stored ones included, only by calling one of these with the knobs, never by Hydra's instantiate,
+# which would call whatever a checkpoint names (builtins.open, ...) and the `_target_`s nested in its values.
+BACKBONE_BUILDERS: dict[str, Callable[..., FlowFormer]] = {"flowformer.models.build_flowformer": build_flowformer}
 
 
 @dataclass
@@ -58,6 +62,10 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointReadError(ValueError):
     """A checkpoint file cannot be read: not a checkpoint, corrupt or truncated, or holding non-plain objects."""
+
+
+class BackboneTargetError(CheckpointReadError):
+    """A backbone config names a `_target_` that is not one of the package's builders (BACKBONE_BUILDERS)."""
 
 
 def from_official(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -230,6 +238,20 @@ def current_backbone_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return current
 
 
+def backbone_builder(config: Mapping[str, Any], source: str) -> tuple[Callable[..., FlowFormer], dict[str, Any]]:
+    """The package builder a backbone config names (BACKBONE_BUILDERS; build_flowformer where it names none, as our
+    backbone files) and its knobs (`current_backbone_config`); a BackboneTargetError naming `source` otherwise."""
+    knobs = current_backbone_config(config)
+    target = knobs.pop("_target_", "flowformer.models.build_flowformer")
+    if target not in BACKBONE_BUILDERS:
+        raise BackboneTargetError(
+            f"{source} names `_target_: {target}`, which is refused: a network is rebuilt from settings only by "
+            f"the package's builders ({', '.join(BACKBONE_BUILDERS)}, the `_target_` of conf/backbone/*.yaml), so "
+            "a checkpoint cannot name code to run; use a checkpoint written by this package"
+        )
+    return BACKBONE_BUILDERS[target], knobs
+
+
 def save_backbone(path: str | Path, net: FlowFormer) -> None:
     """Write the network in our backbone format (plain values; readable with weights_only=True)."""
     if net.config is None:
@@ -264,11 +286,10 @@ def load_backbone(path: str | Path) -> FlowFormer:
             f"load_backbone_weights(net, path), or convert it to a {BACKBONE_FORMAT} file first (task=convert "
             "with its backbone and convert.to_official=false)"
         )
-    # `_target_` (Lightning hyper-parameters) is build_flowformer, as in every conf/backbone/*.yaml; the ImageNet
-    # Twins weights a run started from are in the state dict, so their file is not read again
-    knobs = {k: v for k, v in current_backbone_config(config).items() if k != "_target_"}
+    # the ImageNet Twins weights a run started from are in the state dict, so their file is not read again
+    builder, knobs = backbone_builder(config, f"{kind} checkpoint {path}")
     with torch.device("meta"):
-        net = build_flowformer(**knobs | {"twins_weights": None})
+        net = builder(**knobs | {"twins_weights": None})
     check_compatible(net, state, f"{kind} checkpoint {path}")
     net.load_state_dict(state, strict=True, assign=True)
     return net
