@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import re
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -131,6 +133,10 @@ def check_output_dirs(cfg: DictConfig) -> Path:
         ensure_writable_dir(directory, f"the checkpoint directory ({setting})")
         if not joins_existing_run():
             claim_dir(directory, setting, owner)
+            # The claim proved the directory held nothing else; Lightning's warning would only see the claim file
+            warnings.filterwarnings(
+                "ignore", message=f"Checkpoint directory {re.escape(str(directory))} exists and is not empty"
+            )
     return output_dir
 
 

@@ -33,8 +33,15 @@ def error_lines(stderr: str) -> list[str]:
 def finished_run(tmp_path_factory) -> Path:
     """The run directory of a 6-step debug=tiny run (its checkpoints/last.ckpt at step 6)."""
     run_dir = tmp_path_factory.mktemp("first") / "run"
-    run_py("debug=tiny", "trainer.max_steps=6", f"hydra.run.dir={run_dir}")
+    result = run_py("debug=tiny", "trainer.max_steps=6", f"hydra.run.dir={run_dir}")
+    (run_dir.parent / "stderr.txt").write_text(result.stderr)
     return run_dir
+
+
+def test_a_claimed_checkpoint_directory_is_not_reported_as_not_empty(finished_run):
+    """The claim file is the run's own: Lightning's 'exists and is not empty' warning would misread it."""
+    assert (finished_run / "checkpoints" / run_dirs.CLAIM_FILE).is_file()
+    assert "exists and is not empty" not in (finished_run.parent / "stderr.txt").read_text()
 
 
 def test_a_run_given_another_runs_checkpoint_dirpath_is_refused(finished_run, tmp_path):
