@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
 import cv2
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
+from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
 from flowformer.eval.protocol import Protocol, require_finite_flow
@@ -188,8 +189,8 @@ def check_outputs(settings: DictConfig, names: list[str], output_dir: Path) -> N
     refuse_existing(outputs, "infer.output_dir", "infer.overwrite", settings.overwrite)
 
 
-def run(cfg: DictConfig) -> None:
-    settings = cfg.infer
+def check_settings(settings: DictConfig) -> None:
+    """The infer settings that no input can fix, refused before any work."""
     if settings.format not in ("flo", "kitti"):
         raise ValueError(f"infer.format={settings.format!r}: expected 'flo' or 'kitti'")
     if settings.save_video and not settings.video_fps > 0:
@@ -200,9 +201,11 @@ def run(cfg: DictConfig) -> None:
         raise ValueError(
             "infer.checkpoint is null; give the weights to run (ours, an official .pth or a Lightning .ckpt)"
         )
-    names, frames, count = list_frames(settings.input)
-    output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
-    check_outputs(settings, names, output_dir)
+
+
+def prepare_network(cfg: DictConfig) -> tuple[torch.device, AbstractContextManager, nn.Module]:
+    """(device, autocast context, the network loaded from infer.checkpoint, bounded and compiled as set)."""
+    settings = cfg.infer
     device = pick_device(settings.device)
     precision = settings.precision
     if precision == "auto":
@@ -210,6 +213,16 @@ def run(cfg: DictConfig) -> None:
     autocast = autocast_context(device, precision, "infer.precision")
     net = load_network(memory_budget(cfg.backbone, device), settings.checkpoint, device)
     compile_network(net, cfg.runtime)
+    return device, autocast, net
+
+
+def run(cfg: DictConfig) -> None:
+    settings = cfg.infer
+    check_settings(settings)
+    names, frames, count = list_frames(settings.input)
+    output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
+    check_outputs(settings, names, output_dir)
+    device, autocast, net = prepare_network(cfg)
     protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
     video = None
