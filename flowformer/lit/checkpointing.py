@@ -125,7 +125,7 @@ def check_resume_checkpoint(path: str | Path, module: BackboneModule, max_steps:
     training checkpoint, saved by another kind of module, made for another network (the error lists missing /
     unexpected / mis-shaped keys), or leaves nothing to train up to ``max_steps`` (trainer.max_steps) within
     the schedule it resumes."""
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(path, module)
     missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
     if missing:
         raise ValueError(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+import stat
+import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,14 +93,34 @@ def export_official(net: FlowFormer, path: str | Path | None = None) -> dict[str
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
 
 
-def read_checkpoint(path: str | Path) -> dict:
+# A checkpoint holds the network's weights and, in a Lightning .ckpt, the optimiser's state (AdamW: two more
+# copies) and small extras; its records may declare at most this many times the weights' bytes (plus the floor).
+DECLARED_BYTES_FACTOR = 8
+DECLARED_BYTES_FLOOR = 64 * 2**20
+
+
+def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
     """Load a checkpoint onto the CPU with the weights-only unpickler (never running code from the file).
 
     Returns the loaded dict. Raises FileNotFoundError when `path` does not exist and CheckpointReadError when it
-    cannot be read, is not a checkpoint (or is corrupt or truncated), holds pickled classes or functions, or does
-    not hold a dict.
+    is not a regular file (a named pipe would block), cannot be read, is not a checkpoint (or is corrupt or
+    truncated), holds pickled classes or functions, or does not hold a dict. With `network`, a file in torch's zip
+    format whose records declare far more bytes than that network's weights (DECLARED_BYTES_FACTOR) is refused
+    before a record is read (a small file can declare records that inflate to gigabytes).
     """
     path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path} does not exist; check the path") from None
+    except OSError as err:
+        raise CheckpointReadError(f"cannot read checkpoint {path} ({err.strerror or err})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointReadError(
+            f"checkpoint {path} is not a regular file (a directory, named pipe or device); expected a checkpoint file"
+        )
+    if network is not None:
+        _check_declared_size(path, network)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -125,6 +147,26 @@ def read_checkpoint(path: str | Path) -> dict:
             "file or a Lightning .ckpt)"
         )
     return obj
+
+
+def _check_declared_size(path: Path, network: nn.Module) -> None:
+    """Refuse a zip-format checkpoint whose entries declare (uncompressed, read from the zip directory without
+    inflating anything) more than DECLARED_BYTES_FACTOR times `network`'s weights, plus DECLARED_BYTES_FLOOR."""
+    if not zipfile.is_zipfile(path):  # the legacy format, or not a checkpoint: torch.load says which
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(entry.file_size for entry in archive.infolist())
+    except (zipfile.BadZipFile, OSError):
+        raise CheckpointReadError(_not_a_checkpoint(path)) from None
+    needed = sum(t.numel() * t.element_size() for t in network.state_dict().values())
+    limit = DECLARED_BYTES_FACTOR * needed + DECLARED_BYTES_FLOOR
+    if declared > limit:
+        raise CheckpointReadError(
+            f"checkpoint {path} declares {declared / 2**20:.0f} MiB of records, more than {DECLARED_BYTES_FACTOR}x "
+            f"the network's {needed / 2**20:.1f} MiB of weights (plus {DECLARED_BYTES_FLOOR // 2**20} MiB); not "
+            "read: it is not a checkpoint of this network (or is corrupt); re-download or re-save it"
+        )
 
 
 def _not_a_checkpoint(path: Path) -> str:
@@ -205,7 +247,7 @@ def load_backbone_weights(
 ) -> LoadReport:
     """Load our backbone file, an official `.pth` (with or without `module.`) or a FlowModule/MCVAPretrainModule
     Lightning `.ckpt` into `net`, strictly except for keys starting with one of `skip_prefixes`."""
-    state, kind, _ = _unwrap(read_checkpoint(path), path)
+    state, kind, _ = _unwrap(read_checkpoint(path, net), path)
     skip = tuple(skip_prefixes)
     skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
     kept = {k: v for k, v in _as_network_dtypes(net, state).items() if not (skip and k.startswith(skip))}
@@ -218,9 +260,9 @@ def load_backbone_weights(
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:
     """Build the official architecture of `variant` (Twins encoders, paper knobs) and load a released checkpoint
     strictly; returns the network in eval mode. `overrides` change backbone knobs (e.g. tokenize_chunk=4096)."""
-    state, _, _ = _unwrap(read_checkpoint(path), path)
     with torch.device("meta"):
         net = build_flowformer(variant=variant, **overrides)
+    state, _, _ = _unwrap(read_checkpoint(path, net), path)
     check_compatible(net, state, f"official checkpoint {path} (variant={variant!r})")
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     net.load_state_dict(state, strict=True, assign=True)
