@@ -39,6 +39,7 @@ from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_exis
 log = logging.getLogger(__name__)
 
 WANDB_ID_FILE = "wandb_run_id.txt"
+WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what wandb makes (8 letters and digits) or takes as logger.*.id
 RECORDED_PACKAGES = (
     "torch",
     "lightning",
@@ -230,12 +231,23 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
             if logger_cfg.get("id") is None and cfg.get("ckpt_path"):
                 id_file = Path(cfg.ckpt_path).parent / WANDB_ID_FILE
                 if id_file.is_file():
-                    kwargs["id"] = id_file.read_text().strip()
+                    kwargs["id"] = read_wandb_id(id_file)
                     kwargs["resume"] = "allow"
                     log.info("resuming wandb run %s (from %s)", kwargs["id"], id_file)
         log.info("logger %s: %s", key, logger_cfg._target_)
         loggers.append(hydra.utils.instantiate(logger_cfg, **kwargs))
     return loggers
+
+
+def read_wandb_id(id_file: Path) -> str:
+    """The wandb run id `record_wandb_id` stored in `id_file`; a ValueError naming the file for anything else."""
+    run_id = id_file.read_text(errors="replace").strip()
+    if not WANDB_RUN_ID.fullmatch(run_id):
+        raise ValueError(
+            f"{id_file} holds {run_id[:80]!r}, not a wandb run id (1-64 letters, digits, '-' or '_', as the run "
+            "wrote it); fix or delete the file (a new wandb run is then started), or set logger.wandb.id"
+        )
+    return run_id
 
 
 @rank_zero_only
