@@ -245,6 +245,7 @@ class VideoFolder(_PairDataset):
     ) -> None:
         super().__init__(root=root, augmentor=augmentor, max_skips=max_skips)
         folders = [self.root, *sorted(p for p in self.root.rglob("*") if p.is_dir())]
+        unusable: list[str] = []  # video files OpenCV cannot open, or with too few frames for a pair
         for folder in folders:
             video = folder.relative_to(self.root).as_posix() or "."
             frames = _image_frames(folder)
@@ -260,7 +261,14 @@ class VideoFolder(_PairDataset):
                 indices = pair_indices(
                     length, frame_gap=frame_gap, stride=stride, both_directions=both_directions
                 )
+                if not indices:
+                    unusable.append(name)
                 for a, b in indices:
                     self.pairs.append(_Pair(_Frame(path, a), _Frame(path, b), name))
+        if unusable:
+            log.warning(
+                "%s %s: skipped %d video file(s) that cannot be read or have at most %d frame(s) (frame_gap): %s",
+                type(self).__name__, self.root, len(unusable), frame_gap, ", ".join(unusable[:5]),
+            )
         if not self.pairs:
             self._fail(f"found no video file or frame folder with more than {frame_gap} frames")
