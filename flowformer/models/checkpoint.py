@@ -116,8 +116,9 @@ def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
     except OSError as err:
         raise CheckpointReadError(f"cannot read checkpoint {path} ({err.strerror or err})") from None
     if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "a device"
         raise CheckpointReadError(
-            f"checkpoint {path} is not a regular file (a directory, named pipe or device); expected a checkpoint file"
+            f"checkpoint {path} is not a regular file ({kind}); expected a checkpoint file"
         )
     if network is not None:
         _check_declared_size(path, network)

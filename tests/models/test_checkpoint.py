@@ -220,7 +220,7 @@ def test_read_checkpoint_returns_the_dict_and_names_a_missing_file(tmp_path: Pat
     with pytest.raises(FileNotFoundError, match=r"checkpoint .*nope\.pth does not exist"):
         read_checkpoint(tmp_path / "nope.pth")
     with pytest.raises(
-        CheckpointReadError, match=rf"cannot read checkpoint {re.escape(str(tmp_path))} \(Is a directory\)"
+        CheckpointReadError, match=rf"checkpoint {re.escape(str(tmp_path))} is not a regular file \(a directory\)"
     ):
         read_checkpoint(tmp_path)
 

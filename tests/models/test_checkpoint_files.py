@@ -37,10 +37,10 @@ def test_a_named_pipe_is_refused_without_blocking(tmp_path: Path) -> None:
     os.mkfifo(pipe)
     unblock_later(pipe)
     # infer.checkpoint, eval.checkpoint and model.init_from are read by load_backbone_weights; ckpt_path here
-    with pytest.raises(CheckpointReadError, match=rf"checkpoint {pipe} is not a regular file"):
+    with pytest.raises(CheckpointReadError, match=rf"checkpoint {pipe} is not a regular file \(a named pipe\)"):
         load_backbone_weights(build_backbone(), pipe)
     module = FlowModule(backbone=backbone_config(), **flow_settings())
-    with pytest.raises(CheckpointReadError, match=rf"checkpoint {pipe} is not a regular file"):
+    with pytest.raises(CheckpointReadError, match=rf"checkpoint {pipe} is not a regular file \(a named pipe\)"):
         check_resume_checkpoint(pipe, module, max_steps=10)
 
 
