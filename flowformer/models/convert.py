@@ -47,7 +47,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="convert our backbone file or a Lightning .ckpt to the official layout",
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing dst (never src itself)")
     args = parser.parse_args(argv)
+    if args.dst.resolve() == args.src.resolve():
+        parser.exit(1, f"error: dst {args.dst} is src: the conversion would replace the file it reads\n")
+    if args.dst.exists() and not args.overwrite:
+        parser.exit(1, f"error: dst {args.dst} exists already; choose another dst, or pass --overwrite\n")
     try:
         _convert(args)
     except (OSError, ValueError) as err:  # missing or unreadable files, mismatching keys, bad knobs

@@ -328,6 +328,25 @@ def test_save_backbone_makes_missing_folders_and_names_an_unwritable_destination
     assert str(err.value).startswith(f"cannot write {tmp_path}/new/b.ckpt/x ({tmp_path}/new/b.ckpt is a file)")
 
 
+def test_convert_cli_keeps_an_existing_dst_unless_overwrite_and_never_writes_src(tmp_path: Path, capsys) -> None:
+    official = official_file(tmp_path, build_backbone(variant="flowformer"))
+    ours = tmp_path / "ours.ckpt"
+    ours.write_bytes(b"an earlier result")
+    official_bytes = official.read_bytes()
+    tiny = ["--variant", "flowformer", "--backbone", str(CONF_DIR / "backbone" / "tiny.yaml")]
+    for argv, expect in (
+        ([str(official), str(ours), *tiny], f"error: dst {ours} exists already; choose another dst, or pass --overwrite"),
+        ([str(official), str(official), *tiny, "--overwrite"], f"error: dst {official} is src"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            convert(argv)
+        assert exit_info.value.code == 1 and capsys.readouterr().err.startswith(expect)
+    assert ours.read_bytes() == b"an earlier result"
+    assert official.read_bytes() == official_bytes
+    convert([str(official), str(ours), *tiny, "--overwrite"])
+    assert load_backbone(ours).variant == "flowformer"
+
+
 def test_convert_cli_reports_mismatching_keys(tmp_path: Path, capsys) -> None:
     official = official_file(tmp_path, build_backbone(variant="flowformer"))
     with pytest.raises(SystemExit) as exit_info:
