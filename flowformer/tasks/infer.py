@@ -226,7 +226,11 @@ def run(cfg: DictConfig) -> None:
     protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
     video = None
-    previous = to_tensor(next(frames), device)
+    first = next(frames, None)
+    if first is None:
+        raise ValueError(f"infer.input {settings.input}: not one frame could be decoded, so no flow was written")
+    previous = to_tensor(first, device)
+    pairs = 0
     flow_init = None
     columns = (TextColumn("flow"), BarColumn(), MofNCompleteColumn(), PairsPerSecond())
     with Progress(*columns) as progress, StopSignals() as stop, ExitStack() as on_exit:
@@ -263,7 +267,18 @@ def run(cfg: DictConfig) -> None:
                     on_exit.callback(video.release)  # also on an error or a stop: playable, with the pairs done
                 video.write(cv2.cvtColor(picture, cv2.COLOR_RGB2BGR))
             previous = current
-    log.info("wrote %d flow fields to %s", count - 1, output_dir)
+            pairs += 1
+    report_pairs(settings.input, pairs, count, output_dir)
+
+
+def report_pairs(source: object, pairs: int, count: int, output_dir: Path) -> None:
+    """Logs the flow fields written; a video that decoded fewer frames than it declares is said so, and one
+    that gave no pair at all is an error (nothing is reported that did not happen)."""
+    if pairs == 0:
+        raise ValueError(f"infer.input {source}: fewer than two frames could be decoded, so no flow was written")
+    if pairs < count - 1:
+        log.warning("infer.input %s: only %d of its %d frames could be decoded", source, pairs + 1, count)
+    log.info("wrote %d flow fields to %s", pairs, output_dir)
 
 
 def open_video(path: Path, fps: float, shape: tuple[int, ...]) -> cv2.VideoWriter:

@@ -1,6 +1,7 @@
 """task=infer on a frame folder and a video (odd sizes, .flo and KITTI PNG output) on CPU, the infer and bench
 config groups, and the device / precision / network helpers the tasks share (task=bench: tests/tasks/test_bench.py)."""
 
+import logging
 from pathlib import Path
 
 import cv2
@@ -64,6 +65,27 @@ def test_a_non_finite_flow_is_an_error_naming_the_pair_and_is_not_written(tmp_pa
         infer.run(config(f"infer.input={folder}", f"infer.checkpoint={tmp_path / 'nan.pt'}",
                          f"infer.output_dir={out}", "infer.iters=2", "infer.device=cpu"))
     assert not list(out.glob("*.flo"))
+
+
+@pytest.mark.parametrize("decoded", [0, 1, 2])
+def test_a_video_that_decodes_fewer_frames_than_it_declares_reports_what_was_done(
+    tmp_path, checkpoint, monkeypatch, caplog, decoded
+):
+    video = write_video(tmp_path / "clip.avi", 4)
+    declared = infer.video_frames(video)
+    monkeypatch.setattr(  # the container declares 4 frames; only `decoded` of them decode
+        infer, "video_frames", lambda path: (declared[0], iter(frames(decoded)), declared[2])
+    )
+    settings = [f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={tmp_path / 'out'}",
+                "infer.iters=1", "infer.device=cpu", "infer.save_video=false"]
+    if decoded < 2:
+        with pytest.raises(ValueError, match=f"infer.input {video}: .*no flow was written"):
+            infer.run(config(*settings))
+        return
+    with caplog.at_level(logging.INFO, logger="flowformer.tasks.infer"):
+        infer.run(config(*settings))
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.flo")) == ["frame_000000.flo"]
+    assert "only 2 of its 4 frames could be decoded" in caplog.text and "wrote 1 flow fields" in caplog.text
 
 
 def write_video(path: Path, count: int) -> Path:
