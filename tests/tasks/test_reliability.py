@@ -17,8 +17,6 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from omegaconf import OmegaConf
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from flowformer.lit.checkpointing import (
     LastCheckpoint,
@@ -33,28 +31,14 @@ from flowformer.tasks.run_setup import build_callbacks
 from helpers.compose import compose_run_config
 from helpers.configs import REPO_DIR
 from helpers.run import run_py
-from helpers.trainers import cpu_trainer
+from helpers.trainers import LinearModule, cpu_trainer, linear_loader
 
 
-class GetsWorse(L.LightningModule):
+class GetsWorse(LinearModule):
     """A linear model whose validation metric rises at every validation (so the best is the first)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(2, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).pow(2).mean()
 
     def validation_step(self, batch, batch_idx):
         self.log("val/metric", float(self.global_step))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def loader() -> DataLoader:
-    return DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4)
 
 
 def test_last_checkpoint_is_the_final_state_when_validation_got_worse(tmp_path):
@@ -68,7 +52,7 @@ def test_last_checkpoint_is_the_final_state_when_validation_got_worse(tmp_path):
         plugins=[SafeCheckpointIO()],
     )
     module = GetsWorse()
-    trainer.fit(module, train_dataloaders=loader(), val_dataloaders=loader())
+    trainer.fit(module, train_dataloaders=linear_loader(), val_dataloaders=linear_loader())
 
     last = torch.load(last_checkpoint_path(trainer), weights_only=True)
     assert last["global_step"] == 5
@@ -93,7 +77,7 @@ def test_last_checkpoint_is_written_every_n_steps(tmp_path, caplog):
         callbacks=[Record(), LastCheckpoint(tmp_path, every_n_train_steps=3)],
     )
     with caplog.at_level(logging.INFO):
-        trainer.fit(GetsWorse(), train_dataloaders=loader())
+        trainer.fit(GetsWorse(), train_dataloaders=linear_loader())
     # Record runs before the checkpoint callback within a step: it sees the file of the step before
     assert steps == [3, 3, 3, 6]  # seen at the ends of steps 4, 5, 6 and 7
     last = torch.load(tmp_path / "last.ckpt", weights_only=True)
@@ -116,7 +100,7 @@ def test_last_checkpoint_is_written_when_max_time_stops_the_run(tmp_path):
         limit_val_batches=0,
         callbacks=[LastCheckpoint(tmp_path, every_n_train_steps=1000)],
     )
-    trainer.fit(Slow(), train_dataloaders=loader())
+    trainer.fit(Slow(), train_dataloaders=linear_loader())
     assert 0 < trainer.global_step < 1000
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == trainer.global_step
 
@@ -169,7 +153,7 @@ def test_resume_loads_plain_values_whatever_the_environment(tmp_path, monkeypatc
     path, payload = malicious_checkpoint(tmp_path)
     trainer = cpu_trainer(enable_checkpointing=True, max_steps=1, plugins=[SafeCheckpointIO()])
     with pytest.raises(CheckpointReadError):
-        trainer.fit(GetsWorse(), train_dataloaders=loader(), ckpt_path=path)
+        trainer.fit(GetsWorse(), train_dataloaders=linear_loader(), ckpt_path=path)
     assert not payload.exists()
 
 

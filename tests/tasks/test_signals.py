@@ -12,13 +12,10 @@ import time
 from pathlib import Path
 
 import cv2
-import lightning as L
 import numpy as np
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from flowformer.data.io import read_flo
 from flowformer.lit.checkpointing import LastCheckpoint, SafeCheckpointIO
@@ -28,7 +25,7 @@ from flowformer.tasks.preemption import Preemption
 from helpers.configs import REPO_DIR, build_backbone
 from helpers.faults import SignalAtStep
 from helpers.run import run_py, start_run_py
-from helpers.trainers import cpu_trainer
+from helpers.trainers import LinearModule, cpu_trainer, linear_loader
 
 ENV = {"PYTHONPATH": str(REPO_DIR / "tests")}
 TRAIN = ("debug=tiny", "trainer.max_steps=8", "data.num_workers=2")
@@ -62,16 +59,6 @@ def saved_step(checkpoint: Path) -> int:
     return torch.load(checkpoint, weights_only=True)["global_step"]
 
 
-class Linear(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(2, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
@@ -87,7 +74,7 @@ def test_lightning_stops_after_the_step_a_signal_came_in(tmp_path, name):
         plugins=[SafeCheckpointIO()],
     )
     with pytest.raises(SIGTERMException):
-        trainer.fit(Linear(), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4))
+        trainer.fit(LinearModule(), train_dataloaders=linear_loader())
     assert trainer.global_step == 4 and preemption.received == getattr(signal, name)
     assert saved_step(tmp_path / "last.ckpt") == 4  # only the stop wrote it (every 100 steps otherwise)
     assert {signum: signal.getsignal(signum) for signum in before} == before
