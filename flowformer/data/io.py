@@ -240,14 +240,15 @@ def read_image(path: PathLike) -> np.ndarray:
     """Read an 8-bit image -> uint8 [H, W, 3] RGB. Grey images become 3 channels, RGBA drops alpha."""
     if not Path(path).is_file():
         raise FlowFileError(path, "file not found; check the dataset root and the file name")
+    encoded = Path(path).read_bytes()  # read once: decoded and checked for truncation from the same bytes
     try:
-        raw = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        raw = cv2.imdecode(np.frombuffer(encoded, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
     except cv2.error as err:  # e.g. a header claiming more pixels than OpenCV decodes
         raise FlowFileError(path, f"cannot decode the file as an image (OpenCV: {err.err})") from None
+    if _truncated_jpeg(encoded):  # imread would fill the missing part with grey
+        raise FlowFileError(path, "truncated JPEG: no end-of-image marker after its last scan; re-download or re-export it")
     if raw is None:
         raise FlowFileError(path, "cannot decode the file as an image (corrupt or unsupported format?)")
-    if _truncated_jpeg(path):  # OpenCV decodes the part there is and fills the rest with grey
-        raise FlowFileError(path, "truncated JPEG: no end-of-image marker after its last scan; re-download or re-export it")
     if raw.dtype != np.uint8:
         raise FlowFileError(path, f"expected an 8-bit image, got dtype {raw.dtype}")
     if raw.ndim == 2:
@@ -259,13 +260,11 @@ def read_image(path: PathLike) -> np.ndarray:
     raise FlowFileError(path, f"expected 1, 3 or 4 image channels, got {raw.shape[2]}")
 
 
-def _truncated_jpeg(path: PathLike) -> bool:
+def _truncated_jpeg(encoded: bytes) -> bool:
     """A JPEG (FF D8 FF) without the end-of-image marker (FF D9) after the start of its last scan (FF DA)."""
-    with open(path, "rb") as file:
-        if file.read(3) != b"\xff\xd8\xff":
-            return False
-        data = file.read()
-    return data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda")
+    if not encoded.startswith(b"\xff\xd8\xff"):
+        return False
+    return encoded.rfind(b"\xff\xd9", 3) < encoded.rfind(b"\xff\xda", 3)
 
 
 def read_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray | None]:
