@@ -16,13 +16,16 @@ front-most layer at ``p`` in frame 1.
 hidden at t=1 (another layer is in front at the target, or the target leaves the image). Everything is
 deterministic from ``(seed, index)`` and works at any size; sizes are in pixels, motions scale with the image
 (``max_translation`` is given at the 368x496 training size).
+
+Where the layers' textures come from is a :data:`TextureSource`: :func:`procedural_textures` here, crops of
+photographs in ``flowformer/data/image_folder.py``; the scenes, their motion and the rendering are the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +36,14 @@ from torch.utils.data import Dataset
 
 from flowformer.data.sampling import SampleKey, item_index
 
-__all__ = ["SyntheticFlowDataset", "SyntheticVideoDataset"]
+__all__ = ["SyntheticFlowDataset", "SyntheticVideoDataset", "TextureSource", "procedural_textures"]
 
 _REFERENCE_SIZE = (368, 496)  # the official chairs training crop; max_translation is given at it
 _COARSEST_CELL = 64  # multi-scale noise: octaves with cells of 64, 32, ... px down to a finest cell
 _EDGE_WIDTH = 1.0  # pixels: texture edges are soft steps about this wide, sharp but not aliased
+
+# (generator, layers, H, W) -> the layers' textures [layers, 3, H, W] in 0..255, drawn from the generator only
+TextureSource = Callable[[torch.Generator, int, int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ def _multiscale_noise(
     return total[:, :, :height, :width] / math.sqrt(weight_sq)
 
 
-def _make_textures(gen: torch.Generator, layers: int, height: int, width: int) -> torch.Tensor:
+def procedural_textures(gen: torch.Generator, layers: int, height: int, width: int) -> torch.Tensor:
     """Textures [layers, 3, H, W] in 0..255: a base colour, coloured multi-scale noise and sharp edges."""
     base = _uniform(gen, (layers, 3, 1, 1), 40.0, 215.0)
     # Luminance noise plus a random colour mix of three noise fields.
@@ -133,6 +139,7 @@ def _make_scene(
     height: int,
     width: int,
     *,
+    textures: TextureSource,
     num_layers: int,
     max_translation: float,
     max_rotation: float,
@@ -160,7 +167,7 @@ def _make_scene(
     lobe_phase = _uniform(gen, (layers,), 0.0, 2 * math.pi)
     # Textures are drawn last: the geometry and motion of a scene do not depend on the image size.
     return _Scene(
-        textures=_make_textures(gen, layers, height, width),
+        textures=textures(gen, layers, height, width),
         centre=centre,
         velocity=torch.polar(radius * damping, direction),
         log_similarity=torch.complex(log_scale * damping, angle * damping),
@@ -271,7 +278,8 @@ def _single_threaded() -> Iterator[None]:
 
 
 class _SceneSource:
-    """Construction and validation of the scene parameters, shared by both synthetic datasets.
+    """Construction and validation of the scene parameters, shared by both synthetic datasets (and the
+    photograph-textured ones of ``flowformer/data/image_folder.py``, which replace ``textures``).
 
     Args:
         num_samples: number of samples; sample ``i`` is a pure function of ``(seed, i)``.
@@ -283,6 +291,8 @@ class _SceneSource:
         max_scale_change: largest relative scale change between the frames (0.1 = +-10%).
         background_motion: the background's motion as a fraction of the objects' (camera motion).
     """
+
+    dataset_name = "synthetic"  # meta["dataset"]
 
     def __init__(
         self,
@@ -310,6 +320,7 @@ class _SceneSource:
         self.max_rotation = float(max_rotation)
         self.max_scale_change = float(max_scale_change)
         self.background_motion = float(background_motion)
+        self.textures: TextureSource = procedural_textures
 
     def __len__(self) -> int:
         return self.num_samples
@@ -321,6 +332,7 @@ class _SceneSource:
         return _make_scene(
             _generator(self.seed, index),
             *self.size,
+            textures=self.textures,
             num_layers=self.num_layers,
             max_translation=self.max_translation,
             max_rotation=self.max_rotation,
@@ -329,7 +341,7 @@ class _SceneSource:
         )
 
     def _meta(self, index: int) -> dict[str, int | str]:
-        return {"dataset": "synthetic", "seed": self.seed, "index": int(index) % self.num_samples}
+        return {"dataset": self.dataset_name, "seed": self.seed, "index": int(index) % self.num_samples}
 
 
 class SyntheticFlowDataset(_SceneSource, Dataset):
