@@ -6,13 +6,15 @@
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says, so a checkpoint cannot run code.
 - :class:`LastCheckpoint` writes ``<dir>/last.ckpt`` every ``every_n_train_steps``, when training ends (max
   steps, max time, max epochs), whatever validation says, and when a stop signal ends it early (SIGTERM,
-  SIGUSR1: flowformer/tasks/preemption.py); ``ModelCheckpoint`` keeps only the best by the monitor.
+  SIGUSR1: flowformer/tasks/preemption.py), also during a validation; a resume runs the validation of the
+  step it resumes at (:func:`validation_restart`); ``ModelCheckpoint`` keeps only the best by the monitor.
 - :class:`RandomStates` saves the global torch / numpy / Python random states, so a resumed run draws the same
   numbers (pixel noise, anything using the global stream) as the run it continues.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Mapping
@@ -24,11 +26,13 @@ import numpy as np
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from flowformer.lit.base import BackboneModule
 from flowformer.lit.flow import FlowModule
 from flowformer.lit.mcva import MCVAPretrainModule
+from flowformer.lit.unsup import UnsupervisedPretrainModule
 from flowformer.models.checkpoint import check_compatible, read_checkpoint
 from flowformer.models.output_files import atomic_write
 
@@ -65,9 +69,15 @@ class SafeCheckpointIO(TorchCheckpointIO):
 class LastCheckpoint(Checkpoint):
     """``<dirpath>/last.ckpt``: the full training state every ``every_n_train_steps`` optimiser steps, at the
     end of training, and at the step a stop signal came in: Lightning notes SIGTERM
-    (``trainer.received_sigterm``) and ends training with ``SIGTERMException`` after that step (or during the
-    validation that follows it). A ``Checkpoint`` subclass, so Lightning runs it after the other callbacks of a
-    step."""
+    (``trainer.received_sigterm``) and ends training with ``SIGTERMException`` after that step, or after the
+    validation batch in progress when the step is followed by a validation. A ``Checkpoint`` subclass, so
+    Lightning runs it after the other callbacks of a step.
+
+    A step followed by a validation is saved as it stood when that validation started, whenever the save
+    comes (at the step's end, during the validation or after it, before the next step), so a resume runs the
+    whole validation and then goes on as the uninterrupted run did (:func:`validation_restart`): Lightning
+    itself would skip that validation on a resume from the step's end, resume it from the batch it stopped at
+    on the first batch, and log the next steps one step too high after it ended."""
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int = 500) -> None:
         if every_n_train_steps < 1:
@@ -77,11 +87,18 @@ class LastCheckpoint(Checkpoint):
             )
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
-        self._saved_step: int | None = None
+        # (global step, whether the loops saved are those before that step's validation) of the last write
+        self._saved: tuple[int, bool] | None = None
+        # (global step, the fit loop's state to resume that step's validation from) while that validation runs
+        self._before_validation: tuple[int, dict] | None = None
+        self._loops_to_save: dict | None = None
 
     @property
     def path(self) -> Path:
         return self.dirpath / LAST_CHECKPOINT
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._before_validation = None
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         # every process of a DDP run decides alike: a signal seen by one of them saves on all
@@ -89,23 +106,60 @@ class LastCheckpoint(Checkpoint):
         if trainer.global_step % self.every_n_train_steps == 0 or stop:
             self._save(trainer)
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A validation during training: `last.ckpt` written at this step is written again with the loops as
+        they stand now, so a resume from it runs this validation."""
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._before_validation = (trainer.global_step, validation_restart(trainer.fit_loop.state_dict()))
+        if self._saved is not None and self._saved[0] == trainer.global_step:
+            self._save(trainer)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._before_validation = None  # training is over: a resume has nothing left to validate
         self._save(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
             self._save(trainer)
 
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self._loops_to_save is not None:
+            checkpoint["loops"]["fit_loop"] = self._loops_to_save
+
     def _save(self, trainer: L.Trainer) -> None:
-        if trainer.sanity_checking or self._saved_step == trainer.global_step:
+        step = trainer.global_step
+        before = self._before_validation
+        before_validation = before is not None and before[0] == step
+        if trainer.sanity_checking or self._saved == (step, before_validation):
             return
-        trainer.save_checkpoint(self.path, weights_only=False)  # the whole state: optimiser, schedulers, loops
-        self._saved_step = trainer.global_step
-        log.debug("wrote %s at step %d", self.path, trainer.global_step)
+        self._loops_to_save = before[1] if before is not None and before_validation else None
+        try:
+            trainer.save_checkpoint(self.path, weights_only=False)  # the whole state: optimiser, schedulers, loops
+        finally:
+            self._loops_to_save = None
+        self._saved = (step, before_validation)
+        log.debug("wrote %s at step %d", self.path, step)
+
+
+def validation_restart(fit_loop: dict) -> dict:
+    """The fit loop's state (``trainer.fit_loop.state_dict()``) as a validation during training starts, made
+    the state Lightning saves inside that validation's first batch: Lightning resumes it by running the whole
+    validation (its RESTARTED_MID_EVALUATION stage, with no batch done; its totals over the epoch count one
+    batch started and not processed), then the rest of the training step's end, where the logged step
+    (``_batches_that_stepped``, saved before that increment) advances. Validation draws nothing from the global
+    random streams (its loaders have their own generator), so the random states saved with it hold."""
+    state = copy.deepcopy(fit_loop)
+    progress = state["epoch_loop.val_loop.batch_progress"]
+    done = progress["total"]["completed"]
+    progress["total"].update(ready=done + 1, started=done + 1, processed=done)
+    progress["current"].update(ready=1, started=1, processed=0, completed=0)
+    progress["is_last_batch"] = False
+    return state
 
 
 # The kinds of module a training checkpoint comes from (their own hyper-parameters tell them apart).
-TRAINING_MODULES: tuple[type[BackboneModule], ...] = (FlowModule, MCVAPretrainModule)
+TRAINING_MODULES: tuple[type[BackboneModule], ...] = (FlowModule, MCVAPretrainModule, UnsupervisedPretrainModule)
 # Hyper-parameters of checkpoints written before model.optimizer / model.scheduler, by their setting now.
 FORMER_HYPERPARAMETERS = {
     "lr": "optimizer.lr",
@@ -139,16 +193,30 @@ def check_resume_checkpoint(path: str | Path, module: BackboneModule, max_steps:
 
 
 def check_module_kind(checkpoint: dict, module: BackboneModule, path: str | Path) -> None:
-    """Refuses a checkpoint whose hyper-parameters are another kind of module's (an MCVAPretrainModule
-    checkpoint resumed as FlowModule, or the reverse): their optimisers hold different parameter groups."""
+    """Refuses a checkpoint whose hyper-parameters are another kind of module's (an MCVAPretrainModule or
+    UnsupervisedPretrainModule checkpoint resumed as FlowModule, or the reverse): their optimisers hold different
+    parameter groups, or their settings mean different things."""
     saved = set(checkpoint.get("hyper_parameters") or {})
-    if not saved or type(module).own_hyperparameters() & saved:
+    if not saved:
         return
-    kind = next((k.__name__ for k in TRAINING_MODULES if k.own_hyperparameters() & saved), "another module")
+    kind = saved_module_kind(saved)
+    if kind is not None and isinstance(module, kind):
+        return
+    if kind is None and type(module).own_hyperparameters() & saved:  # a kind outside TRAINING_MODULES
+        return
     raise ValueError(
-        f"ckpt_path={path} was saved by {kind}, but this run trains {type(module).__name__}: resume it with "
-        f"the model it was trained with, or start from its weights with model.init_from={path}"
+        f"ckpt_path={path} was saved by {kind.__name__ if kind else 'another module'}, but this run trains "
+        f"{type(module).__name__}: resume it with the model it was trained with, or start from its weights with "
+        f"model.init_from={path}"
     )
+
+
+def saved_module_kind(saved: set[str]) -> type[BackboneModule] | None:
+    """The kind in TRAINING_MODULES whose own hyper-parameters the saved names hold most of (kinds share a few,
+    e.g. FlowModule's and UnsupervisedPretrainModule's gamma and train_iters), or None if none holds any."""
+    shared = {kind: len(kind.own_hyperparameters() & saved) for kind in TRAINING_MODULES}
+    kind = max(shared, key=shared.get)
+    return kind if shared[kind] else None
 
 
 def check_steps_left(checkpoint: dict, max_steps: int | None, path: str | Path) -> None:
