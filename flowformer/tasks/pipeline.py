@@ -68,3 +68,378 @@ The record, `<run dir>/pipeline.json` (rewritten atomically at every change; tas
       ]
     }
 """
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from flowformer.lit.checkpointing import last_checkpoint_path
+from flowformer.models.output_files import atomic_write_text
+from flowformer.tasks import close_loggers, find_user_error
+from flowformer.tasks import eval as eval_task
+from flowformer.tasks.sweeps import in_multirun
+from flowformer.tasks.train import fit
+
+log = logging.getLogger(__name__)
+
+RECORD = "pipeline.json"
+RECORD_VERSION = 1
+# The first part of the keys of a job's overrides that set up the pipeline job itself, not a table row (the
+# stages get seed, name and logger from pass_through; quickstart.* is the demo's own).
+JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
+_ABSENT = object()
+
+
+class PipelineStageError(ValueError):
+    """A stage or an evaluation failed: one line naming it and where the finished work is (a user-facing
+    error: printed without a traceback; FLOWFORMER_TRACEBACK=1 prints the cause's, and a cause that is a bug
+    is logged with its traceback)."""
+
+
+class StaleResumeError(ValueError):
+    """pipeline.resume found a finished stage this run cannot build on (other overrides, a changed checkpoint)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One training run of a pipeline: its folder name and its overrides."""
+
+    name: str
+    overrides: list[str]
+
+
+def read_stages(settings: DictConfig) -> list[Stage]:
+    """pipeline.stages as Stages: an experiment name, or {name, overrides}; names are distinct folder names."""
+    stages = []
+    for index, entry in enumerate(settings.stages):
+        if isinstance(entry, str):
+            stages.append(Stage(entry, [f"experiment={entry}"]))
+        elif isinstance(entry, DictConfig) and "name" in entry and "overrides" in entry:
+            stages.append(Stage(str(entry.name), [str(override) for override in entry.overrides]))
+        else:
+            raise ValueError(
+                f"pipeline.stages[{index}] = {entry!r}: expected an experiment name (e.g. chairs) or "
+                "{name: <folder>, overrides: [...]}"
+            )
+    if not stages:
+        raise ValueError(
+            "pipeline.stages is empty: choose a protocol (protocol=smoke, conf/protocol/) or name the stages, "
+            "e.g. pipeline.stages=[mcva_pretrain,chairs,things]"
+        )
+    names = [stage.name for stage in stages]
+    bad = [n for n in names if n in ("", ".", "..") or "/" in n or n.startswith("eval_") or names.count(n) > 1]
+    if bad:
+        raise ValueError(
+            f"pipeline.stages: the stage names {sorted(set(bad))} do not fit: each names the stage's folder, so "
+            "they must be distinct plain folder names (no '/', not starting with eval_)"
+        )
+    return stages
+
+
+def override_key(override: str) -> str:
+    """`model.mask_ratio` of `model.mask_ratio=0.7` (also of `+key=...`, `++key=...`, `~key`)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def row_overrides(cfg: DictConfig) -> list[str]:
+    """pipeline.row, then the job's command-line overrides that are not about the pipeline job itself."""
+    job: list[str] = []
+    if HydraConfig.initialized():
+        for override in HydraConfig.get().overrides.task:
+            if override_key(override).split(".")[0].split("/")[0] not in JOB_KEYS:
+                job.append(override)
+    return [*(str(override) for override in cfg.pipeline.row), *job]
+
+
+def takes(override: str, probe: DictConfig) -> bool:
+    """Whether a run composed as `probe` takes a row's override: model=<name> only a pretraining run,
+    model.<key> only a run whose model has <key>, anything else every run."""
+    key = override_key(override)
+    if key == "model":
+        return probe.task == "pretrain"
+    if key.startswith("model."):
+        found = OmegaConf.select(probe, key, default=_ABSENT, throw_on_resolution_failure=False)
+        return found is not _ABSENT
+    return True
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file (a checkpoint: what a later stage started from), read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def first_epe(results_json: str | Path) -> float | None:
+    """The first scored set's epe in a task=eval results file (what task=eval returns)."""
+    results = json.loads(Path(results_json).read_text())["results"]
+    return next((values["epe"] for values in results.values() if "epe" in values), None)
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Move an interrupted run's folder to <folder>.interrupted[-n] (kept); its last.ckpt there, if it has one."""
+    if not folder.exists():
+        return None
+    target = folder.with_name(f"{folder.name}.interrupted")
+    attempt = 1
+    while target.exists():
+        attempt += 1
+        target = folder.with_name(f"{folder.name}.interrupted-{attempt}")
+    folder.rename(target)
+    checkpoint = target / "checkpoints" / "last.ckpt"
+    return checkpoint if checkpoint.is_file() else None
+
+
+def train_stage(stage_cfg: DictConfig) -> tuple[Path, dict[str, float]]:
+    """Fit one stage: (its last.ckpt, the trainer's last logged values)."""
+    if stage_cfg.task not in ("train", "pretrain"):
+        raise ValueError(f"task={stage_cfg.task}: a pipeline stage trains (task=train or task=pretrain)")
+    _, trainer = fit(stage_cfg)
+    close_loggers()
+    checkpoint = last_checkpoint_path(trainer)
+    if checkpoint is None:
+        raise ValueError("it wrote no last.ckpt (callbacks.last_checkpoint is off); the next stage starts from it")
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
+    return checkpoint, metrics
+
+
+class Pipeline:
+    """The stages of one job, run in order into `run_dir`, then the evaluations; `earlier` is the record of a
+    run being resumed. `configs` holds every composed stage and evaluation config by name / label."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, stages: list[Stage], earlier: dict | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.stages = stages
+        self.shared = [str(override) for override in cfg.pipeline.shared]
+        self.evaluate = {str(label): [str(o) for o in overrides] for label, overrides in cfg.pipeline.evaluate.items()}
+        self.row = row_overrides(cfg)
+        self.configs: dict[str, DictConfig] = {}
+        earlier_stages = {entry["name"]: entry for entry in (earlier or {}).get("stages", [])}
+        earlier_evaluations = {entry["label"]: entry for entry in (earlier or {}).get("evaluations", [])}
+        self.record: dict[str, Any] = {
+            "version": RECORD_VERSION,
+            "run_dir": str(run_dir.resolve()),
+            "name": str(cfg.name),
+            "status": "running",
+            "row": self.row,
+            "metric": None,
+            "stages": [earlier_stages.get(stage.name) or self.new_entry(stage.name) for stage in stages],
+            "evaluations": [
+                earlier_evaluations.get(label) or self.new_entry(label, "label") for label in self.evaluate
+            ],
+        }
+
+    def new_entry(self, name: str, key: str = "name") -> dict[str, Any]:
+        """The record of a stage (or evaluation: key "label") that has not started."""
+        folder = self.run_dir / (name if key == "name" else f"eval_{name}")
+        return {key: name, "dir": str(folder), "status": "pending", "resumed_from": [], "wall_s": None}
+
+    def save(self) -> None:
+        atomic_write_text(self.run_dir / RECORD, json.dumps(self.record, indent=2))
+
+    def pass_through(self, output_dir: Path) -> list[str]:
+        """This job's seed, name, paths and logger, for every run of the pipeline."""
+        cfg = self.cfg
+        through = [
+            f"seed={cfg.seed}",
+            f"name={cfg.name}",
+            f"paths.root_dir={cfg.paths.root_dir}",
+            f"paths.output_dir={output_dir}",
+        ]
+        if HydraConfig.initialized():
+            choice = HydraConfig.get().runtime.choices.get("logger")
+            through.append(f"logger={choice}" if choice else "logger=null")
+        return through
+
+    def compose(self, head: list[str], handoff: list[str], output_dir: Path) -> tuple[DictConfig, list, list]:
+        """The config of `python run.py <head> <the row's overrides it takes> <handoff>` writing to output_dir:
+        (config, its overrides without the pass-through ones, the row's overrides it did not take)."""
+        tail = [*handoff, *self.pass_through(output_dir)]
+        probe = hydra.compose("config", overrides=[*head, *tail])
+        choices = [override for override in self.row if override_key(override) == "model"]
+        if choices and takes(choices[0], probe):
+            probe = hydra.compose("config", overrides=[*head, *choices, *tail])
+        taken = [override for override in self.row if takes(override, probe)]
+        dropped = [override for override in self.row if override not in taken]
+        overrides = [*head, *taken, *handoff]
+        return hydra.compose("config", overrides=[*overrides, *tail]), overrides, dropped
+
+    def run(self) -> dict[str, Any]:
+        """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint: Path | None = None
+        for index, stage in enumerate(self.stages, 1):
+            checkpoint = self.run_stage(index, stage, checkpoint)
+        backbone = self.configs[self.stages[-1].name].backbone
+        metrics = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
+        self.record.update(status="done", metric=metrics[0] if metrics else None)
+        self.save()
+        return self.record
+
+    def run_stage(self, index: int, stage: Stage, init_from: Path | None) -> Path:
+        """Stage `index` (from 1), started from `init_from`: skipped when it finished from that very checkpoint,
+        resumed from its last.ckpt when it was interrupted, else run; returns its last.ckpt."""
+        entry = self.record["stages"][index - 1]
+        stage_dir = self.run_dir / stage.name
+        handoff = [] if init_from is None else [f"model.init_from={init_from}"]
+        stage_cfg, overrides, dropped = self.compose([*self.shared, *stage.overrides], handoff, stage_dir)
+        self.configs[stage.name] = stage_cfg
+        init_sha = None if init_from is None else file_sha256(init_from)
+        where = f"stage {index}/{len(self.stages)} {stage.name}"
+        if entry["status"] != "pending":
+            self.check_earlier(entry, where, overrides, init_sha)
+        if entry["status"] == "done":
+            log.info("pipeline: %s finished already (%s)", where, entry["checkpoint"])
+            return Path(entry["checkpoint"])
+        resume_from = set_aside(stage_dir)
+        if resume_from is not None:
+            stage_cfg.ckpt_path = str(resume_from)  # as `ckpt_path=` on its command line: an exact resume
+            entry["resumed_from"].append(str(resume_from))
+        entry.update(
+            status="running",
+            task=str(stage_cfg.task),
+            overrides=overrides,
+            dropped=dropped,
+            init_from=None if init_from is None else str(init_from),
+            init_from_sha256=init_sha,
+            checkpoint=None,
+            checkpoint_sha256=None,
+            metrics={},
+            error=None,
+        )
+        self.save()
+        resuming = f", resuming from {resume_from}" if resume_from is not None else ""
+        log.info("pipeline: %s (task=%s) in %s%s", where, stage_cfg.task, stage_dir, resuming)
+        with self.attempt(entry, where):
+            checkpoint, metrics = train_stage(stage_cfg)
+        entry.update(checkpoint=str(checkpoint), checkpoint_sha256=file_sha256(checkpoint), metrics=metrics)
+        self.save()
+        return checkpoint
+
+    def check_earlier(self, entry: dict[str, Any], where: str, overrides: list[str], init_sha: str | None) -> None:
+        """A stage of the run being resumed must be this run's: the same overrides, started from the checkpoint
+        its previous stage holds now, and, when it finished, its own checkpoint unchanged."""
+        advice = (
+            f"pipeline.resume={self.run_dir} continues the same pipeline (protocol and row); for anything else "
+            "start a fresh run (without pipeline.resume)"
+        )
+        if entry.get("overrides") != overrides:
+            raise StaleResumeError(
+                f"pipeline.resume: {where} ran with the overrides {entry.get('overrides')}, this run gives "
+                f"{overrides}; {advice}"
+            )
+        if entry.get("init_from_sha256") != init_sha:
+            raise StaleResumeError(
+                f"pipeline.resume: {where} started from {entry.get('init_from')} as it was then, which has "
+                f"changed since; its result is stale; {advice}"
+            )
+        if entry["status"] != "done":
+            return
+        checkpoint = Path(entry["checkpoint"])
+        if not checkpoint.is_file() or file_sha256(checkpoint) != entry["checkpoint_sha256"]:
+            state = "changed since" if checkpoint.is_file() else "missing"
+            raise StaleResumeError(
+                f"pipeline.resume: {where} finished, but its checkpoint {checkpoint} is {state}: the stages after "
+                f"it would start from a stale or missing checkpoint; {advice}"
+            )
+
+    def run_evaluation(self, label: str, checkpoint: Path, backbone: DictConfig) -> float | None:
+        """Evaluation `label` of the last stage's checkpoint with that stage's `backbone` (skipped when it
+        finished on that very checkpoint); returns its first set's epe."""
+        entry = self.record["evaluations"][list(self.evaluate).index(label)]
+        eval_dir = self.run_dir / f"eval_{label}"
+        head = [*self.shared, "task=eval", *self.evaluate[label]]
+        eval_cfg, overrides, dropped = self.compose(head, [f"eval.checkpoint={checkpoint}"], eval_dir)
+        with open_dict(eval_cfg):
+            eval_cfg.backbone = OmegaConf.create(OmegaConf.to_container(backbone, resolve=True))
+        self.configs[f"eval_{label}"] = eval_cfg
+        sha = self.record["stages"][-1]["checkpoint_sha256"]
+        where = f"evaluation {label}"
+        finished = entry["status"] == "done" and Path(entry.get("results_json", "")).is_file()
+        if finished and entry["overrides"] == overrides and entry["checkpoint_sha256"] == sha:
+            log.info("pipeline: %s finished already (%s)", where, entry["results_json"])
+            return first_epe(entry["results_json"])
+        set_aside(eval_dir)
+        entry.update(
+            status="running",
+            overrides=overrides,
+            dropped=dropped,
+            checkpoint=str(checkpoint),
+            checkpoint_sha256=sha,
+            results_json=str(eval_cfg.eval.results_json),
+            error=None,
+        )
+        self.save()
+        log.info("pipeline: %s of %s in %s", where, checkpoint, eval_dir)
+        with self.attempt(entry, where):
+            eval_task.run(eval_cfg)
+        return first_epe(entry["results_json"])
+
+    @contextmanager
+    def attempt(self, entry: dict[str, Any], where: str) -> Iterator[None]:
+        """Times one attempt at a stage or evaluation into its record: done; or failed, which stops the
+        pipeline with one PipelineStageError line (a bug's traceback goes to the log first); or stopped (a stop
+        signal, Ctrl-C), which goes on up."""
+        start = time.monotonic()
+        status, error_line = "stopped", None
+        try:
+            yield
+            status = "done"
+        except Exception as error:
+            status, error_line = "failed", f"{type(error).__name__}: {error}"
+            if find_user_error(error) is None:
+                log.error("pipeline: %s failed", where, exc_info=error)
+            raise PipelineStageError(
+                f"pipeline {where} failed: {error_line}; the finished stages are kept in {self.run_dir} "
+                f"({RECORD}); continue with pipeline.resume={self.run_dir}"
+            ) from error
+        finally:
+            entry.update(status=status, error=error_line, wall_s=(entry["wall_s"] or 0.0) + time.monotonic() - start)
+            if status != "done":
+                self.record["status"] = status
+            self.save()
+
+
+def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
+    """Where this job's pipeline runs: its own run directory, or the one pipeline.resume names (in a
+    multirun, the job's namesake inside the sweep directory it names) with the record found there."""
+    resume = cfg.pipeline.get("resume")
+    if not resume:
+        return Path(cfg.paths.output_dir).resolve(), None
+    folder = Path(resume).resolve()
+    if in_multirun() and not (folder / RECORD).is_file():
+        folder = folder / Path(HydraConfig.get().runtime.output_dir).name
+    path = folder / RECORD
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"pipeline.resume={resume}: {path} does not exist; give the run directory of an earlier "
+            "task=pipeline run (in a multirun, its sweep directory, run with the same sweep)"
+        )
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"pipeline.resume: {path} is not a pipeline record ({error})") from None
+    if record.get("version") != RECORD_VERSION:
+        raise ValueError(f"pipeline.resume: {path} has record version {record.get('version')}, expected {RECORD_VERSION}")
+    log.info("pipeline: resuming %s (this run's own log: %s)", folder, cfg.paths.output_dir)
+    return folder, record
+
+
+def run(cfg: DictConfig) -> float | None:
+    run_dir, earlier = pipeline_dir(cfg)
+    return Pipeline(cfg, run_dir, read_stages(cfg.pipeline), earlier).run()["metric"]
