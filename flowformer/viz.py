@@ -22,6 +22,7 @@ __all__ = [
     "flow_panel",
     "flow_to_color",
     "make_colorwheel",
+    "stack_panels",
     "write_flow_image",
 ]
 
@@ -218,6 +219,19 @@ def flow_panel(
     gt_rgb = flow_to_color(np.where(mask[..., None], gt, 0.0), max_flow)
     pred_rgb = flow_to_color(pred, max_flow)
     return np.concatenate([image, gt_rgb, pred_rgb, error_to_color(pred, gt, valid)], axis=1)
+
+
+def stack_panels(panels: list[np.ndarray], gap: int = 4) -> np.ndarray:
+    """Panels of one width (uint8 [H_i, W, 3], e.g. flow_panel's) one above the other with `gap` white rows
+    between them -> uint8 [sum of H_i + gap * (n - 1), W, 3]."""
+    if not panels:
+        raise ValueError("stack_panels: no panels to stack")
+    widths = sorted({panel.shape[1] for panel in panels})
+    if len(widths) > 1:
+        raise ValueError(f"stack_panels: the panels must share one width, got widths {widths}")
+    spacer = np.full((gap, widths[0], 3), 255, dtype=np.uint8)
+    rows = [part for panel in panels for part in (spacer, panel)][1:]
+    return np.concatenate(rows, axis=0)
 
 
 def write_flow_image(

@@ -1,9 +1,11 @@
-"""task=quickstart (experiment=quickstart): pretrain -> finetune -> evaluate.
+"""task=quickstart (experiment=quickstart): pretrain -> finetune -> evaluate, a pipeline with a verdict.
 
-Every stage is a full run.py run composed from `quickstart.shared` + `quickstart.<stage>` (so it can be
-repeated by hand), written to <run dir>/<stage>/. With `quickstart.compare_from_scratch=true` a second
-model is finetuned from random weights for comparison. Prints and writes <run dir>/metrics.json with the
-held-out EPE of the finetuned model(s) next to the zero-flow EPE, and returns the EPE of the
+The stages are task=pipeline's (`pipeline.*` of conf/experiment/quickstart.yaml, run by
+flowformer/tasks/pipeline.py into <run dir>/<stage>/ with <run dir>/pipeline.json); with
+`quickstart.compare_from_scratch=true` the stages after pretraining run once more from random weights, as a
+pipeline of their own in <run dir>/from_scratch/. Prints and writes <run dir>/metrics.json with the held-out
+EPE of the finetuned model(s) next to the zero-flow EPE, writes <run dir>/heldout_pairs.png (image | ground
+truth | prediction | error of `quickstart.panel_pairs` held-out pairs) and returns the EPE of the
 pretrained-then-finetuned model; exits with status 1 when that EPE is above `quickstart.max_epe_ratio` of the
 zero-flow EPE.
 """
@@ -16,27 +18,20 @@ from pathlib import Path
 
 import hydra
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from flowformer.lit.checkpointing import last_checkpoint_path
+from flowformer.data.io import write_image
 from flowformer.metrics import FlowMetrics
 from flowformer.models.output_files import atomic_write_text
-from flowformer.tasks import close_loggers
-from flowformer.tasks import eval as eval_task
-from flowformer.tasks.train import fit
+from flowformer.tasks.eval import open_sets
+from flowformer.tasks.pipeline import Pipeline, read_stages
+from flowformer.tasks.runtime import load_network, pick_device
+from flowformer.viz import flow_panel, stack_panels
 
 log = logging.getLogger(__name__)
 
-
-def compose_stage(cfg: DictConfig, stage_dir: Path, overrides: list[str]) -> DictConfig:
-    """The config `python run.py <overrides>` would get, writing to stage_dir, with this run's logger/seed."""
-    passthrough = [f"seed={cfg.seed}", f"name={cfg.name}", f"paths.output_dir={stage_dir}"]
-    if HydraConfig.initialized():
-        choice = HydraConfig.get().runtime.choices.get("logger")
-        passthrough.append(f"logger={choice}" if choice else "logger=null")
-    return hydra.compose("config", overrides=[*cfg.quickstart.shared, *overrides, *passthrough])
+PANEL = "heldout_pairs.png"
 
 
 def zero_flow_epe(dataset_cfg: DictConfig) -> float:
@@ -47,57 +42,68 @@ def zero_flow_epe(dataset_cfg: DictConfig) -> float:
     return float(metric.compute()["epe"])
 
 
-def run(cfg: DictConfig) -> float:
-    run_dir = Path(cfg.paths.output_dir)
-    stages = cfg.quickstart
+def write_heldout_panel(eval_cfg: DictConfig, path: Path, pairs: int) -> None:
+    """image | ground truth | prediction | error of the first `pairs` pairs of the evaluation's first set, one
+    row each, predicted as the evaluation does (its checkpoint, protocol and iterations)."""
+    protocol, dataset = next(iter(open_sets(eval_cfg.eval).values()))
+    device = pick_device(eval_cfg.eval.device)
+    net = load_network(eval_cfg.backbone, eval_cfg.eval.checkpoint, device)
+    panels = []
+    for index in range(min(pairs, len(dataset))):
+        item = dataset[index]
+        with torch.inference_mode():
+            flow = protocol.predict(net, item["img1"][None].to(device), item["img2"][None].to(device))["flow"]
+        panels.append(flow_panel(item["img1"], flow[0].cpu(), item["flow"], item.get("valid")))
+    write_image(path, stack_panels(panels))
 
-    pretrain_cfg = compose_stage(cfg, run_dir / "pretrain", list(stages.pretrain))
-    _, pretrainer = fit(pretrain_cfg)
-    close_loggers()
-    pretrained = str(last_checkpoint_path(pretrainer))
 
-    runs = {"with_mcva": [f"model.init_from={pretrained}"]}
-    if stages.compare_from_scratch:
-        runs["from_scratch"] = []
-    checkpoints = {}
-    for label, extra in runs.items():
-        stage_cfg = compose_stage(cfg, run_dir / f"finetune_{label}", [*stages.finetune, *extra])
-        _, trainer = fit(stage_cfg)
-        close_loggers()
-        checkpoints[label] = str(last_checkpoint_path(trainer))
-
-    epe = {}
-    for label, checkpoint in checkpoints.items():
-        eval_cfg = compose_stage(
-            cfg, run_dir / f"eval_{label}", [*stages.evaluate, f"eval.checkpoint={checkpoint}"]
-        )
-        epe[label] = eval_task.run(eval_cfg)
-    zero = zero_flow_epe(eval_cfg.eval.benchmarks.synthetic.dataset)
-
-    metrics = {"zero_flow_epe": zero}
-    for label, value in epe.items():
-        metrics[f"epe_finetuned_{label}"] = value
-        metrics[f"ratio_{label}"] = value / zero
-    metrics |= {
-        "max_epe_ratio": stages.max_epe_ratio,
-        "pass": epe["with_mcva"] <= stages.max_epe_ratio * zero,
-        "checkpoints": {"pretrain": pretrained, **checkpoints},
-    }
-    atomic_write_text(run_dir / "metrics.json", json.dumps(metrics, indent=2))
+def summary(epe: dict[str, float], zero: float, max_ratio: float, run_dir: Path, passed: bool) -> str:
+    """The table the demo prints: zero flow, each finetuned model, the verdict, where the details are."""
     titles = {"with_mcva": "finetuned from MCVA pretraining", "from_scratch": "finetuned from scratch"}
     rows = "".join(
         f"  {titles[label]:<31} {value:8.3f}  ({value / zero:.0%} of zero flow)\n" for label, value in epe.items()
     )
-    summary = (
+    return (
         "\nquickstart: held-out synthetic EPE (lower is better)\n"
         f"  {'zero flow':<31} {zero:8.3f}\n{rows}"
-        f"  {'PASS' if metrics['pass'] else 'FAIL'}: at most {stages.max_epe_ratio:.0%} of zero flow required; "
+        f"  {'PASS' if passed else 'FAIL'}: at most {max_ratio:.0%} of zero flow required; "
         f"details in {run_dir / 'metrics.json'}\n"
+        f"  held-out pairs (image | ground truth | prediction | error): {run_dir / PANEL}\n"
     )
-    print(summary)
-    if not metrics["pass"]:
+
+
+def run(cfg: DictConfig) -> float:
+    run_dir = Path(cfg.paths.output_dir).resolve()
+    settings = cfg.quickstart
+    stages = read_stages(cfg.pipeline)
+    pipeline = Pipeline(cfg, run_dir, stages)
+    records = {"with_mcva": pipeline.run()}
+    if settings.compare_from_scratch:
+        records["from_scratch"] = Pipeline(cfg, run_dir / "from_scratch", stages[1:]).run()
+    eval_cfg = pipeline.configs[f"eval_{next(iter(pipeline.evaluate))}"]
+    zero = zero_flow_epe(eval_cfg.eval.benchmarks.synthetic.dataset)
+    write_heldout_panel(eval_cfg, run_dir / PANEL, settings.panel_pairs)
+
+    epe = {label: record["metric"] for label, record in records.items()}
+    metrics = {"zero_flow_epe": zero}
+    for label, value in epe.items():
+        metrics[f"epe_finetuned_{label}"] = value
+        metrics[f"ratio_{label}"] = value / zero
+    passed = epe["with_mcva"] <= settings.max_epe_ratio * zero
+    metrics |= {
+        "max_epe_ratio": settings.max_epe_ratio,
+        "pass": passed,
+        "checkpoints": {
+            "pretrain": records["with_mcva"]["stages"][0]["checkpoint"],
+            **{label: record["stages"][-1]["checkpoint"] for label, record in records.items()},
+        },
+        "panel": str(run_dir / PANEL),
+    }
+    atomic_write_text(run_dir / "metrics.json", json.dumps(metrics, indent=2))
+    print(summary(epe, zero, settings.max_epe_ratio, run_dir, passed))
+    if not passed:
         raise SystemExit(
             f"quickstart: the finetuned model's EPE {epe['with_mcva']:.3f} is above "
-            f"{stages.max_epe_ratio:.0%} of the zero-flow EPE {zero:.3f}; see {run_dir / 'metrics.json'}"
+            f"{settings.max_epe_ratio:.0%} of the zero-flow EPE {zero:.3f}; see {run_dir / 'metrics.json'}"
         )
     return epe["with_mcva"]
