@@ -1,7 +1,8 @@
-"""Cost-volume encoders: what FlowFormer asks of one (`CostEncoder`), the official one (`CostPerceiverEncoder`:
-patchify each cost map, summarise it into K latent tokens, then alternate intra- and inter-cost-map attention,
-the AGT layers) and the paper's ablation that mixes the K tokens with an MLP-Mixer block instead of attention
-(`MixerCostEncoder`).
+"""Cost-volume encoders: what FlowFormer asks of one (`CostEncoder`) and the official one (`CostPerceiverEncoder`:
+patchify each cost map, summarise it into K latent tokens, then alternate intra- and inter-cost-map layers, the
+AGT layers), with the paper's architecture ablations as its options: each half of the AGT layer a transformer
+(the method), an MLP-Mixer block (intra) or a ConvNeXt stack (inter), or left out; the positional codes of the
+tokenisation and of the AGT layers on or off (docs/ablations.md).
 
 Module and parameter names follow the official `CostPerceiverEncoder`
 (`core/FlowFormer/LatentCostFormer/encoder.py`, FlowFormer++'s `PerCostFormer3/encoder.py` for the MCVA mask) so
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from timm.models.convnext import ConvNeXtBlock
 from torch import Tensor, nn
 
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
@@ -32,6 +34,12 @@ PATCH = 8  # cost-map patch size: three stride-2 convs, as the official `patch_s
 WINDOW = 7  # LSA window of the inter-cost-map attention (official `LocallyGroupedAttnRPEContext`, ws = 7)
 SUBSAMPLE = 4  # GSA sub-sampling ratio (official `GlobalSubSampleAttnRPEContext`, sr_ratio = 4)
 HEADS = 8  # attention heads of every cost-encoder attention (official constant)
+# backbone.intra_layer / backbone.inter_layer: what each half of an AGT layer is ("none": left out)
+INTRA_LAYERS = ("transformer", "mlp", "none")
+INTER_LAYERS = ("transformer", "convnext", "none")
+CONVNEXT_BLOCKS = 4  # ConvNeXt blocks per inter-cost-map layer (official `ConvNextLayer`, depth = 4)
+CONVNEXT_KERNEL = 7  # their depthwise kernel (official `ConvNextBlock`)
+CONVNEXT_LAYER_SCALE = 1e-6  # their layer scale's initial value (official `layer_scale_init_value`)
 
 
 class PatchEmbed(nn.Module):
@@ -39,7 +47,8 @@ class PatchEmbed(nn.Module):
     `PatchEmbed`).
 
     Zero-pad to multiples of 8, three k6/s2/p2 convs with ReLU only between them (none after the last, unlike
-    the paper's figure), concatenate the sine code of the patch centres (8j+4, 8i+4), 1x1 conv FFN, LayerNorm.
+    the paper's figure), concatenate the sine code of the patch centres (8j+4, 8i+4) (`patch_pe_dim` 0: none,
+    backbone.token_pe=false), 1x1 conv FFN, LayerNorm.
     With `removed` masks (MCVA, FlowFormer++'s masked `PatchEmbed`), each conv input is multiplied by (1 - mask)
     at its own resolution.
     """
@@ -100,10 +109,12 @@ class PatchEmbed(nn.Module):
                 x = x * (1 - masks[idx // 2])
             x = layer(x)
         # x [N, dim, H3, W3]; patch centres in 1/8-res cost-map pixels
-        centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2
-        pe = linear_position_encoding(centres.view(n, 2, -1).permute(0, 2, 1), self.patch_pe_dim)
-        pe = pe.permute(0, 2, 1).reshape(n, -1, h3, w3)
-        x = self.ffn_with_coord(torch.cat([x, pe.to(x.dtype)], dim=1))
+        if self.patch_pe_dim > 0:
+            centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2
+            pe = linear_position_encoding(centres.view(n, 2, -1).permute(0, 2, 1), self.patch_pe_dim)
+            pe = pe.permute(0, 2, 1).reshape(n, -1, h3, w3)
+            x = torch.cat([x, pe.to(x.dtype)], dim=1)  # -> [N, dim + patch_pe_dim, H3, W3]
+        x = self.ffn_with_coord(x)
         return self.norm(x.flatten(2).transpose(1, 2)), (h3, w3)
 
 
@@ -168,7 +179,6 @@ def _context_tokens(context: Tensor | None, proj: nn.Linear | None, rows: int) -
     return c.repeat_interleave(rows // batch, dim=0).view(rows, height, width, -1)
 
 
-
 def _padded_grids(
     x: Tensor, size: tuple[int, int], context: Tensor | None, proj: nn.Linear | None, multiple: int
 ) -> tuple[Tensor, Tensor]:
@@ -183,17 +193,19 @@ def _padded_grids(
     pad = (0, 0, 0, (multiple - width % multiple) % multiple, 0, (multiple - height % multiple) % multiple)
     return F.pad(x, pad), F.pad(x_qk, pad)
 
+
 class LocalWindowAttention(nn.Module):
     """LSA over the source grid, 7x7 windows, window-local sine code (dim D + c) added to q and k (official
     `LocallyGroupedAttnRPEContext`).
 
     x [B*K, H1*W1, D] -> same. With context (c > 0), q and k see [x ‖ context_proj(ctx)]; v sees x only.
-    Zero-padded positions take part in the softmax unmasked, as in the official code.
+    Zero-padded positions take part in the softmax unmasked, as in the official code. `position_code` False:
+    no sine code (backbone.agt_pe=false).
     """
 
-    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int) -> None:
+    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, position_code: bool = True) -> None:
         super().__init__()
-        self.c = context_proj_dim
+        self.c, self.position_code = context_proj_dim, position_code
         if context_proj_dim > 0:
             self.context_proj = nn.Linear(context_dim, context_proj_dim)
         self.q = nn.Linear(dim + context_proj_dim, dim)
@@ -217,9 +229,10 @@ class LocalWindowAttention(nn.Module):
             return rearrange(t, "r nh nw y x (h c) -> (r nh nw) h (y x) c", h=heads)
 
         v = split_heads(self.v(windows(x)))
-        local = coords_grid(1, ws, ws, device=x.device).view(1, 2, -1).permute(0, 2, 1)
-        pe = linear_position_encoding(local, channels + self.c).view(ws, ws, -1)
-        x_qk = windows(x_qk) + pe
+        x_qk = windows(x_qk)
+        if self.position_code:
+            local = coords_grid(1, ws, ws, device=x.device).view(1, 2, -1).permute(0, 2, 1)
+            x_qk = x_qk + linear_position_encoding(local, channels + self.c).view(ws, ws, -1)
         q, k = split_heads(self.q(x_qk)), split_heads(self.k(x_qk))
         attended = softmax_attention(q, k, v, scale=(channels // heads) ** -0.5)
         # [rows*nh*nw, heads, ws*ws, C/heads] -> [rows, Hp, Wp, C], then crop the padding
@@ -235,11 +248,14 @@ class GlobalSubsampledAttention(nn.Module):
     x [B*K, H1*W1, D] -> same. With context: q from [x ‖ ctx] + PE, keys from `sr_key` on [x ‖ ctx] then the
     shared `norm`, + PE of the sub-sampled coordinates ×4; values from `sr_value` on x then the same `norm`.
     Without context (FlowFormer-small): one `sr` conv; the key PE exists in FlowFormer only (`key_pe`).
+    `query_pe` False: no code on the query (backbone.agt_pe=false, which also drops the key's).
     """
 
-    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool = True) -> None:
+    def __init__(
+        self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool = True, query_pe: bool = True
+    ) -> None:
         super().__init__()
-        self.c, self.key_pe = context_proj_dim, key_pe
+        self.c, self.key_pe, self.query_pe = context_proj_dim, key_pe, query_pe
         if context_proj_dim > 0:
             self.context_proj = nn.Linear(context_dim, context_proj_dim)
         self.q = nn.Linear(dim + context_proj_dim, dim)
@@ -261,8 +277,11 @@ class GlobalSubsampledAttention(nn.Module):
         hp, wp = x.shape[1], x.shape[2]
         x, x_qk = x.view(rows, hp * wp, channels), x_qk.view(rows, hp * wp, -1)
 
-        coords = coords_grid(1, hp, wp, device=x.device).view(1, 2, -1).permute(0, 2, 1)
-        q = self.q(x_qk + linear_position_encoding(coords, channels + self.c))
+        queries = x_qk  # the keys' sub-sampling reads x_qk without the code
+        if self.query_pe:
+            coords = coords_grid(1, hp, wp, device=x.device).view(1, 2, -1).permute(0, 2, 1)
+            queries = x_qk + linear_position_encoding(coords, channels + self.c)
+        q = self.q(queries)
         q = q.reshape(rows, hp * wp, heads, channels // heads).permute(0, 2, 1, 3)
 
         def subsample(conv: nn.Conv2d, t: Tensor) -> Tensor:
@@ -305,13 +324,15 @@ class AGTBlock(nn.Module):
 
 
 class VerticalSelfAttentionLayer(nn.Module):
-    """Inter-cost-map attention: LSA block then GSA block over the source grid, per latent slot."""
+    """Inter-cost-map attention: LSA block then GSA block over the source grid, per latent slot; `agt_pe`: the
+    LSA window code and the GSA query code (and the key code where `key_pe`)."""
 
-    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool) -> None:
+    def __init__(self, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool, agt_pe: bool) -> None:
         super().__init__()
         kw = {"dim": dim, "context_dim": context_dim, "context_proj_dim": context_proj_dim}
-        self.local_block = AGTBlock(dim=dim, attn=LocalWindowAttention(**kw))
-        self.global_block = AGTBlock(dim=dim, attn=GlobalSubsampledAttention(**kw, key_pe=key_pe))
+        self.local_block = AGTBlock(dim=dim, attn=LocalWindowAttention(**kw, position_code=agt_pe))
+        gsa = GlobalSubsampledAttention(**kw, key_pe=key_pe and agt_pe, query_pe=agt_pe)
+        self.global_block = AGTBlock(dim=dim, attn=gsa)
 
     def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
         return self.global_block(self.local_block(x, size, context), size, context)
@@ -350,10 +371,13 @@ class CostPerceiverEncoder(CostEncoder):
     """The official cost encoder: cost maps [B*H1*W1, heads, H2, W2] (+ context [B, Cc, H1, W1]) -> cost memory
     [B*H1*W1, K, D].
 
-    Patch tokens of width `cost_patch_dim` + `patch_pe_dim`; K = `num_latent_tokens` latent codewords of width
-    D = `latent_dim`; `agt_depth` AGT layers, each an intra-cost-map layer (`intra_layer`) over the K tokens of
-    one source pixel, then LSA + GSA over the source grid per latent slot with `context_proj_dim` channels of
-    projected context (0: context-free, FlowFormer-small); `gsa_key_pe`: the GSA keys carry a sine code.
+    Patch tokens of width `cost_patch_dim` + `patch_pe_dim` (0: no code); K = `num_latent_tokens` latent
+    codewords of width D = `latent_dim`; `agt_depth` AGT layers (0: the latent tokens go straight to the
+    residual), each an intra-cost-map layer over the K tokens of one source pixel (`intra_layer`, INTRA_LAYERS:
+    self-attention, an MLP-Mixer block or none), then an inter-cost-map layer over the source grid per latent
+    slot (`inter_layer`, INTER_LAYERS: LSA + GSA with `context_proj_dim` channels of projected context (0:
+    context-free, FlowFormer-small), a ConvNeXt stack (no context) or none). `agt_pe`: the LSA and GSA carry
+    their sine codes; `gsa_key_pe`: the GSA keys carry one too.
     """
 
     supports_activation_budget = True
@@ -370,6 +394,9 @@ class CostPerceiverEncoder(CostEncoder):
         context_dim: int,
         context_proj_dim: int,
         gsa_key_pe: bool,
+        intra_layer: str = "transformer",
+        inter_layer: str = "transformer",
+        agt_pe: bool = True,
         tokenize_chunk: int | None = None,
         checkpoint_tokenize: bool = False,
         checkpoint_layers: bool = False,
@@ -382,28 +409,25 @@ class CostPerceiverEncoder(CostEncoder):
         self.cost_heads = cost_heads
         self.num_latent_tokens = num_latent_tokens
         self.latent_dim = latent_dim
+        self.agt_depth = agt_depth
         self.tokenize_chunk = tokenize_chunk
         self.checkpoint_tokenize = checkpoint_tokenize
         self.checkpoint_layers = checkpoint_layers
         self.patch_embed = PatchEmbed(cost_heads=cost_heads, cost_patch_dim=cost_patch_dim, patch_pe_dim=patch_pe_dim)
         self.latent_tokens = nn.Parameter(torch.randn(1, num_latent_tokens, latent_dim))
         self.input_layer = LatentCrossAttention(dim=latent_dim, token_dim=cost_patch_dim + patch_pe_dim)
-        self.encoder_layers = nn.ModuleList([self.intra_layer() for _ in range(agt_depth)])
-        self.vertical_encoder_layers = nn.ModuleList(
-            [
-                VerticalSelfAttentionLayer(
-                    dim=latent_dim,
-                    context_dim=context_dim,
-                    context_proj_dim=context_proj_dim,
-                    key_pe=gsa_key_pe,
-                )
-                for _ in range(agt_depth)
-            ]
+        # one module per AGT layer in each half; a half that is "none" keeps its list empty
+        self.encoder_layers = nn.ModuleList(
+            [_intra_layer(intra_layer, num_tokens=num_latent_tokens, dim=latent_dim) for _ in range(agt_depth)]
+            if intra_layer != "none"
+            else []
         )
-
-    def intra_layer(self) -> nn.Module:
-        """One intra-cost-map layer, [N, K, D] -> [N, K, D]: self-attention over the K tokens."""
-        return SelfAttentionLayer(dim=self.latent_dim)
+        inter = {"context_dim": context_dim, "context_proj_dim": context_proj_dim, "key_pe": gsa_key_pe}
+        self.vertical_encoder_layers = nn.ModuleList(
+            [_inter_layer(inter_layer, dim=latent_dim, agt_pe=agt_pe, **inter) for _ in range(agt_depth)]
+            if inter_layer != "none"
+            else []
+        )
 
     def pixel_row_bytes(self) -> int:
         """Upper estimate of the transient fp32 activations of an intra-cost-map layer per source pixel (one
@@ -416,7 +440,8 @@ class CostPerceiverEncoder(CostEncoder):
     def latent_row_bytes(self, h1: int, w1: int) -> int:
         """Upper estimate of the transient fp32 activations of an inter-cost-map layer (LSA or GSA block) per
         latent row [H1·W1, D]: about 16 D per position for the padded copies, q, k, v, outputs and the 4x MLP's
-        hidden layer and its GELU. Both attentions are fused (`softmax_attention`): their logits are never held."""
+        hidden layer and its GELU. Both attentions are fused (`softmax_attention`): their logits are never held.
+        A ConvNeXt block holds about 14 D (the maps in and out, its conv, norm, 4x MLP with GELU, layer scale)."""
         return h1 * w1 * 16 * self.latent_dim * FLOAT_BYTES
 
     def cost_map_bytes(self, height: int, width: int) -> int:
@@ -468,13 +493,34 @@ class CostPerceiverEncoder(CostEncoder):
         if activation_budget is not None:
             pixel_rows = max(1, activation_budget // self.pixel_row_bytes())
             latent_rows = max(1, activation_budget // self.latent_row_bytes(h1, w1))
-        for intra, inter in zip(self.encoder_layers, self.vertical_encoder_layers):
-            x = _in_row_blocks(intra, x, pixel_rows, self.checkpoint_layers)
-            # row b*K + k holds slot k of every source pixel of image b
-            x = rearrange(x, "(b n) k d -> (b k) n d", b=batch)  # -> [B*K, H1*W1, D]
-            x = _inter_in_row_blocks(inter, x, (h1, w1), context, latent_rows, self.checkpoint_layers)
-            x = rearrange(x, "(b k) n d -> (b n) k d", b=batch)  # -> [B*H1*W1, K, D]
+        for depth in range(self.agt_depth):
+            if self.encoder_layers:
+                x = _in_row_blocks(self.encoder_layers[depth], x, pixel_rows, self.checkpoint_layers)
+            if self.vertical_encoder_layers:
+                inter = self.vertical_encoder_layers[depth]
+                # row b*K + k holds slot k of every source pixel of image b
+                x = rearrange(x, "(b n) k d -> (b k) n d", b=batch)  # -> [B*K, H1*W1, D]
+                x = _inter_in_row_blocks(inter, x, (h1, w1), context, latent_rows, self.checkpoint_layers)
+                x = rearrange(x, "(b k) n d -> (b n) k d", b=batch)  # -> [B*H1*W1, K, D]
         return x + shortcut
+
+
+def _intra_layer(kind: str, *, num_tokens: int, dim: int) -> nn.Module:
+    """One intra-cost-map layer of `kind` ("transformer" | "mlp"), [N, K, D] -> [N, K, D]."""
+    if kind == "mlp":
+        return MixerLayer(num_tokens=num_tokens, dim=dim)
+    return SelfAttentionLayer(dim=dim)
+
+
+def _inter_layer(
+    kind: str, *, dim: int, context_dim: int, context_proj_dim: int, key_pe: bool, agt_pe: bool
+) -> nn.Module:
+    """One inter-cost-map layer of `kind` ("transformer" | "convnext"), [B*K, H1*W1, D] -> same."""
+    if kind == "convnext":
+        return ConvNextLayer(dim=dim)
+    return VerticalSelfAttentionLayer(
+        dim=dim, context_dim=context_dim, context_proj_dim=context_proj_dim, key_pe=key_pe, agt_pe=agt_pe
+    )
 
 
 def _in_row_blocks(layer: nn.Module, x: Tensor, rows: int | None, recompute: bool) -> Tensor:
@@ -502,8 +548,11 @@ def _inter_in_row_blocks(
 
 
 class MixerLayer(nn.Module):
-    """MLP-Mixer block over the K tokens of one source pixel, [N, K, D] -> [N, K, D]: a token-mixing MLP across
-    the K tokens, then a channel-mixing MLP across D, each pre-norm and residual, hidden width 4x."""
+    """The paper's intra-cost-map ablation ("Transformer v.s. MLP&Conv in AGT", Intra. = MLP; the official
+    `use_mlp`, `MLPMixerLayer`): an MLP-Mixer block over the K tokens of one source pixel, [N, K, D] -> [N, K, D]:
+    a token-mixing MLP across the K tokens, then a channel-mixing MLP across D, each pre-norm (LayerNorm eps 1e-5)
+    and residual, hidden width 4x. Not timm's MixerBlock: it sizes the token MLP's hidden width from D, not from
+    K (official 4K), and its norms use eps 1e-6."""
 
     def __init__(self, *, num_tokens: int, dim: int, expansion: int = 4) -> None:
         super().__init__()
@@ -518,12 +567,26 @@ class MixerLayer(nn.Module):
         return x + self.channel_mlp(self.norm2(x))
 
 
-class MixerCostEncoder(CostPerceiverEncoder):
-    """The paper's AGT ablation (FlowFormer, "Transformer v.s. MLP&Conv in AGT", row "MLP / Trans"; the
-    official `use_mlp` option): the intra-cost-map self-attention of every AGT layer is an MLP-Mixer block,
-    which the fixed number K of latent tokens allows. Tokenisation, MCVA masking and the inter-cost-map layers
-    are the official ones; its checkpoints do not load into the official cost encoder (other `encoder_layers`).
+class ConvNextLayer(nn.Module):
+    """The paper's inter-cost-map ablation ("Transformer v.s. MLP&Conv in AGT", Inter. = Conv; the official
+    `vertical_conv`, `ConvNextLayer`): CONVNEXT_BLOCKS ConvNeXt blocks (7x7 depthwise conv, channels-last
+    LayerNorm eps 1e-6, 4x MLP with GELU, layer scale from 1e-6, residual) over each latent slot's D-channel map
+    of the source grid; it reads neither the context nor a positional code. timm's ConvNeXtBlock computes the
+    official block (its defaults: eps 1e-6, no drop path).
+
+    x [B*K, H1*W1, D] (row b*K + k: slot k of image b) -> same; rows are independent.
     """
 
-    def intra_layer(self) -> nn.Module:
-        return MixerLayer(num_tokens=self.num_latent_tokens, dim=self.latent_dim)
+    def __init__(self, *, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            *[
+                ConvNeXtBlock(dim, kernel_size=CONVNEXT_KERNEL, ls_init_value=CONVNEXT_LAYER_SCALE)
+                for _ in range(CONVNEXT_BLOCKS)
+            ]
+        )
+
+    def forward(self, x: Tensor, size: tuple[int, int], context: Tensor | None) -> Tensor:
+        height, width = size
+        maps = rearrange(x, "r (h w) d -> r d h w", h=height, w=width)  # -> [B*K, D, H1, W1]
+        return rearrange(self.net(maps), "r d h w -> r (h w) d")  # -> [B*K, H1*W1, D]

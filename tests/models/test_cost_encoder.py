@@ -1,9 +1,8 @@
 """The seam between FlowFormer and its cost encoder: every cost encoder of COST_ENCODERS keeps the contract
 (memory shape, blocks of a CostVolume, MCVA's token mask), a cost encoder written elsewhere plugs into a network
-assembled from parts, the backbone configs equal the builders, and the MLP-Mixer ablation trains through run.py
-and is swept by sweep=cost_encoder."""
+assembled from parts, the backbone configs equal the builders, and the AGT layer's halves are swept by
+sweep=cost_encoder (their own tests: test_agt_knobs.py)."""
 
-import csv
 import math
 
 import hydra
@@ -24,13 +23,18 @@ from flowformer.models import (
     save_backbone,
 )
 from flowformer.models.build import PRESETS
+from flowformer.models.cost_encoder import (
+    ConvNextLayer,
+    MixerLayer,
+    SelfAttentionLayer,
+    VerticalSelfAttentionLayer,
+)
 from flowformer.models.cost_volume import CostVolume, FeatureCostVolume, as_cost_volume
 from flowformer.models.decoder import MemoryDecoder
 from flowformer.models.encoders import BasicEncoder
 
 from helpers.compose import compose_run_config
 from helpers.configs import backbone_config, backbone_kwargs, build_backbone, mcva_settings
-from helpers.run import run_py
 
 H, W = 64, 96  # 1/8 resolution 8x12: cost maps pad to 8x16, 1x2 patch tokens each
 
@@ -76,16 +80,6 @@ def test_each_cost_encoder_keeps_the_contract(name: str) -> None:
     net.train()
     net.encode_cost(cost_maps, context).square().mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in encoder.encoder_layers.parameters())
-
-
-def test_mixer_replaces_only_the_intra_cost_map_layers() -> None:
-    with torch.device("meta"):
-        agt, mixer = build_flowformer(), build_flowformer(cost_encoder="mixer")
-    agt_keys, mixer_keys = set(agt.state_dict()), set(mixer.state_dict())
-    prefix = "memory_encoder.cost_perceiver_encoder.encoder_layers."
-    assert {k for k in agt_keys ^ mixer_keys if not k.startswith(prefix)} == set()
-    token_mlp = mixer.state_dict()[prefix + "0.token_mlp.fc1.weight"]
-    assert token_mlp.shape == (4 * 8, 8)  # mixes the K = 8 latent tokens, hidden 4K
 
 
 class MeanPoolCostEncoder(CostEncoder):
@@ -159,34 +153,32 @@ def test_backbone_configs_equal_the_builders(name, builder) -> None:
     ]
 
 
-def test_sweep_cost_encoder_compares_the_encoders_and_each_value_takes_effect() -> None:
+def test_sweep_cost_encoder_compares_the_agt_halves_and_each_value_takes_effect() -> None:
     cfg = compose_run_config(["debug=tiny", "sweep=cost_encoder"])
     assert cfg.hydra.mode.name == "MULTIRUN"
-    assert dict(cfg.hydra.sweeper.params) == {"backbone.cost_encoder": "agt,mixer"}
-    for name in ("agt", "mixer"):
-        backbone = compose_run_config(["debug=tiny", f"backbone.cost_encoder={name}"]).backbone
+    assert dict(cfg.hydra.sweeper.params) == {
+        "backbone.intra_layer": "transformer,mlp",
+        "backbone.inter_layer": "transformer,convnext",
+    }
+    for intra, inter, (intra_class, inter_class) in [
+        ("transformer", "transformer", (SelfAttentionLayer, VerticalSelfAttentionLayer)),
+        ("mlp", "convnext", (MixerLayer, ConvNextLayer)),
+    ]:
+        overrides = ["debug=tiny", f"backbone.intra_layer={intra}", f"backbone.inter_layer={inter}"]
         with torch.device("meta"):
-            assert isinstance(hydra.utils.instantiate(backbone).cost_encoder, COST_ENCODERS[name])
+            encoder = hydra.utils.instantiate(compose_run_config(overrides).backbone).cost_encoder
+        assert isinstance(encoder.encoder_layers[0], intra_class)
+        assert isinstance(encoder.vertical_encoder_layers[0], inter_class)
     size = compose_run_config(["debug=tiny", "sweep=cost_encoder_size"]).hydra.sweeper.params
     assert set(size) == {"backbone.num_latent_tokens", "backbone.latent_dim", "backbone.agt_depth"}
 
 
-def test_mcva_pretrains_the_mixer_cost_encoder() -> None:
+def test_mcva_pretrains_the_mixer_intra_layers() -> None:
     torch.manual_seed(0)
     module = MCVAPretrainModule(
-        backbone=backbone_config(cost_encoder="mixer"), **mcva_settings(query_num=2, log_images_every_n_steps=0)
+        backbone=backbone_config(intra_layer="mlp"), **mcva_settings(query_num=2, log_images_every_n_steps=0)
     )
     output = module.pretrain_step(*images())
     output.loss.backward()
     mixer = module.backbone.cost_encoder.encoder_layers[0]
     assert math.isfinite(output.loss.item()) and mixer.token_mlp.fc1.weight.grad.abs().sum() > 0
-
-
-def test_the_mixer_cost_encoder_trains_through_run_py(tmp_path) -> None:
-    run_py("debug=tiny", "backbone.cost_encoder=mixer", "trainer.max_steps=3", f"hydra.run.dir={tmp_path}")
-    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
-    assert last["global_step"] == 3 and last["hyper_parameters"]["backbone"]["cost_encoder"] == "mixer"
-    assert "backbone.memory_encoder.cost_perceiver_encoder.encoder_layers.0.token_mlp.fc1.weight" in last["state_dict"]
-    with (tmp_path / "csv" / "metrics.csv").open() as file:
-        losses = [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
