@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import huggingface_hub
 import timm
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import LocalEntryNotFoundError
 from timm.models.twins import Block as TwinsBlock
 from timm.models.twins import LocallyGroupedAttn
 from torch import Tensor, nn
@@ -24,6 +26,10 @@ from flowformer.models.memory_plan import FLOAT_BYTES
 
 TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
 TWINS_LARGE_FINAL_DIM = 1024  # width of twins_svt_large's last stage, the size of its final `norm`
+# backbone.twins_weights value for timm's default twins_svt_large weights (ImageNet-1k, what the official
+# code's timm.create_model('twins_svt_large', pretrained=True) loads), downloaded once into timm's cache
+IMAGENET = "imagenet"
+TWINS_IMAGENET_FILE = "model.safetensors"  # the file timm reads from that Hugging Face repository
 _TWINS_NOT_BUILT = (
     "head.",
     "patch_embeds.2.",
@@ -45,8 +51,8 @@ class TwinsEncoder(nn.Module):
 
     Only stages 0 and 1 are built (building all four and deleting two cost 0.4 GB of peak memory for nothing);
     there is no head, and `svt.norm` (the LayerNorm 1024 after stage 3) is kept, unused, because the official
-    checkpoints contain it. `weights` is an optional local path to timm's ImageNet checkpoint; nothing is
-    downloaded.
+    checkpoints contain it. `twins_weights`: None (random weights), `IMAGENET` (timm's ImageNet weights from
+    its cache, downloaded there the first time) or a local copy of them (`load_imagenet`).
 
     Images need sides of at least 32 pixels: stage 0's sub-sampled attention runs an 8x8-kernel conv on the
     1/4-resolution tokens (stage 1 a 4x4 one on the 1/8-resolution ones).
@@ -77,29 +83,33 @@ class TwinsEncoder(nn.Module):
         if twins_weights is not None:
             self.load_imagenet(twins_weights)
 
-    def load_imagenet(self, path: str | Path) -> None:
-        """Load timm's ImageNet `twins_svt_large` weights from a local file, ignoring the stages not built."""
-        path = Path(path)
-        if not path.is_file():
+    def load_imagenet(self, source: str | Path) -> None:
+        """Load timm's ImageNet `twins_svt_large` weights through timm's pretrained-weights loader, from its
+        cache (`IMAGENET`: downloaded there once) or from a local file (.safetensors or .pth), ignoring the
+        stages not built."""
+        pretrained_cfg = dict(self.svt.pretrained_cfg)  # timm's default: the Hugging Face hub's in1k weights
+        if str(source) != IMAGENET:
+            path = Path(source)
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"backbone.twins_weights: no file at {path}. Point it at a local copy of timm's "
+                    f"twins_svt_large ImageNet weights ({imagenet_weights_url()}), set it to {IMAGENET} to "
+                    "let timm download them, or to null (random weights)."
+                )
+            pretrained_cfg["file"] = str(path)
+        try:
+            # num_classes=0: timm leaves out the classifier; _stages_built checks every other key strictly
+            timm.models.load_pretrained(
+                self.svt, pretrained_cfg=pretrained_cfg, num_classes=0, filter_fn=_stages_built
+            )
+        except LocalEntryNotFoundError:
             raise FileNotFoundError(
-                f"twins_weights: no file at {path}. Point backbone.twins_weights at a local copy of timm's "
-                "twins_svt_large ImageNet checkpoint (e.g. twins_svt_large-90f6aaa9.pth) or set it to null."
-            )
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and "state_dict" in state:
-            state = state["state_dict"]
-        state = {k.removeprefix("svt."): v for k, v in state.items() if not k.startswith(_TWINS_NOT_BUILT)}
-        own = self.svt.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        mismatched = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-        if missing or unexpected or mismatched:
-            raise ValueError(
-                f"twins_weights {path} does not match twins_svt_large stages 0-1: missing={missing[:10]}, "
-                f"unexpected={unexpected[:10]}, shape-mismatched={mismatched[:10]}. Use timm's twins_svt_large "
-                "ImageNet checkpoint."
-            )
-        self.svt.load_state_dict(state, strict=True)
+                f"backbone.twins_weights={IMAGENET}: timm found no network to download twins_svt_large's "
+                f"ImageNet weights ({imagenet_weights_url()}) and they are not in its cache "
+                f"({huggingface_hub.constants.HF_HUB_CACHE}). Download that file on a machine with a "
+                "network, copy it to this one and set "
+                f"backbone.twins_weights=<path to {TWINS_IMAGENET_FILE}>."
+            ) from None
 
     def forward(self, x: Tensor, activation_budget: int | None = None) -> Tensor:
         """[B, 3, H, W] -> [B, 256, H/8, W/8]. activation_budget (bytes; None: at once) runs each transformer
@@ -119,6 +129,30 @@ class TwinsEncoder(nn.Module):
                     x = pos_block(x, size)  # PEG after the first (LSA) block
             x = x.reshape(batch, *size, -1).permute(0, 3, 1, 2).contiguous()
         return x
+
+
+def imagenet_weights_url() -> str:
+    """Where timm downloads twins_svt_large's ImageNet weights from (its default pretrained config)."""
+    hub_id = timm.models.get_pretrained_cfg("twins_svt_large").hf_hub_id
+    return huggingface_hub.hf_hub_url(hub_id, TWINS_IMAGENET_FILE)
+
+
+def _stages_built(state: dict[str, Tensor], svt: nn.Module) -> dict[str, Tensor]:
+    """timm's filter_fn for `load_pretrained`: the entries of an ImageNet twins_svt_large state dict (keys
+    with or without `svt.`) that stages 0-1 hold, checked to match them exactly."""
+    state = {k.removeprefix("svt."): v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.startswith(_TWINS_NOT_BUILT)}
+    own = svt.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"backbone.twins_weights does not match twins_svt_large stages 0-1: missing={missing[:10]}, "
+            f"unexpected={unexpected[:10]}, shape-mismatched={mismatched[:10]}. Use timm's twins_svt_large "
+            f"ImageNet weights ({imagenet_weights_url()})."
+        )
+    return state
 
 
 def _block_in_row_blocks(block: TwinsBlock, x: Tensor, size: tuple[int, int], rows: int | None) -> Tensor:

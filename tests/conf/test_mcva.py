@@ -13,7 +13,7 @@ def test_mcva_pretrain_is_the_official_recipe():
     cfg = compose_run_config(["experiment=mcva_pretrain"])
     assert cfg.task == "pretrain"
     assert cfg.backbone.variant == "flowformer_pp" and cfg.backbone.image_encoder == "twins"
-    assert cfg.backbone.twins_weights == "/root/checkpoints/twins_svt_large.pth"
+    assert cfg.backbone.twins_weights == "imagenet"  # timm's ImageNet Twins, from its cache
     assert (cfg.backbone.recon_size, cfg.backbone.recon_head_depth, cfg.backbone.decoder_query) == (
         15,
         3,
