@@ -104,6 +104,11 @@ class MCVAPretrainModule(BackboneModule):
         self.objective = ReconstructionObjective(
             recon_location=recon_location, query_num=query_num, normalize=normalize
         )
+        if self.backbone.cost_encoder is None:
+            raise ValueError(
+                "model=mcva pretrains the cost encoder's latent cost memory, which backbone.decoder=mcr does not "
+                "have: use backbone.decoder=cmd"
+            )
         if not hasattr(self.backbone, "pretrain_head"):
             raise ValueError(
                 "model=mcva needs a backbone with the reconstruction head: use a flowformer_pp variant "

@@ -2,7 +2,7 @@
 what tells the two published variants apart, and one builder per published or test-sized network.
 
     net = build_flowformer_pp()                       # FlowFormer++ as released
-    net = build_flowformer_small(intra_layer="mlp")   # FlowFormer-small with the MLP-Mixer ablation
+    net = build_flowformer_small(cost_encoder="mixer")   # FlowFormer-small with the MLP-Mixer ablation
     net = build_flowformer(**cfg.backbone)            # any knobs (Hydra: hydra.utils.instantiate(cfg.backbone))
 
 Each knob is defined once, with its default and its check, in `BackboneConfig`; the defaults are the paper's
@@ -16,18 +16,19 @@ from dataclasses import asdict, dataclass, replace
 
 from torch import nn
 
-from flowformer.models.cost_encoder import INTER_LAYERS, INTRA_LAYERS, CostEncoder, CostPerceiverEncoder
-from flowformer.models.decoder import MemoryDecoder
+from flowformer.models.cost_encoder import CostEncoder, CostPerceiverEncoder, MixerCostEncoder
+from flowformer.models.decoder import MemoryDecoder, RecurrentRefinement
 from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
 from flowformer.models.flowformer import FlowFormer
+from flowformer.models.raft_decoder import MultiLevelCostDecoder
 
-# backbone.cost_encoder -> its class; a new cost encoder (a whole replacement) subclasses `CostEncoder` or
-# `CostPerceiverEncoder` and is added here. The AGT layer's own options are knobs (intra_layer, inter_layer, ...).
-COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder}
-# backbone.cost_encoder values that were options of the AGT encoder, as the knobs they now are: stored configs
-# (checkpoints, run records) and command lines that name them keep building the same network.
-RETIRED_COST_ENCODERS = {"mixer": {"intra_layer": "mlp"}}
+# backbone.cost_encoder -> its class; a new cost encoder subclasses `CostEncoder` (or `CostPerceiverEncoder`, as
+# MixerCostEncoder does) and is added here.
+COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder, "mixer": MixerCostEncoder}
 IMAGE_ENCODERS = ("twins", "cnn")
+# backbone.decoder: "cmd" the cost memory decoder (FlowFormer's), "mcr" RAFT's multi-level cost retrieval
+# decoder, which reads a correlation pyramid of the cost volume: no cost encoder, no channel_convertor
+DECODERS = ("cmd", "mcr")
 # knob -> the least value it takes (sizes of at least 1; agt_depth 0 keeps no AGT layer, context_proj_dim 0 makes
 # the AGT context-free)
 KNOB_MINIMUMS = {
@@ -86,11 +87,10 @@ class BackboneConfig:
     feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: a local timm ImageNet file.
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
     agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers): its
-    knobs; intra_layer (INTRA_LAYERS), inter_layer (INTER_LAYERS), token_pe, agt_pe: the AGT layer's halves and
-    the positional codes of the tokens and of the AGT layers (the paper's architecture ablations).
-    query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
+    knobs. query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
     recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth);
     decoder_dim: the recurrent decoder's width (GRU state, context input, motion features; official 128).
+    decoder: "cmd" | "mcr" (DECODERS); decoder_gma: GMA's motion aggregation in either decoder's update block.
     memory_budget_gb: bound the forward pass's memory (None: the dense, official computation).
     activation_checkpoint: stages in ACTIVATION_CHECKPOINT_STAGES whose activations training recomputes in
     backward instead of keeping (none: the official training).
@@ -108,11 +108,6 @@ class BackboneConfig:
     latent_dim: int = 128
     agt_depth: int = 3
     context_proj_dim: int = 64
-    # the AGT layer's halves and positional codes, the paper's architecture ablations (docs/ablations.md)
-    intra_layer: str = "transformer"  # INTRA_LAYERS: self-attention over the K tokens | MLP-Mixer | none
-    inter_layer: str = "transformer"  # INTER_LAYERS: LSA + GSA over the source grid | ConvNeXt | none
-    token_pe: bool = True  # the sine code concatenated to each cost patch token
-    agt_pe: bool = True  # the sine codes of the LSA window and of the GSA queries and keys
     query_dim: int = 64
     decoder_query: str = "crop_and_pe"
     recon_size: int = 15
@@ -121,9 +116,12 @@ class BackboneConfig:
     tokenize_chunk: int | None = 512
     activation_checkpoint: tuple[str, ...] = ()
     memory_budget_gb: float | None = None
+    # the decoder and its update block, the paper's architecture ablations (docs/ablations.md)
+    decoder: str = "cmd"  # DECODERS: cost memory decoder | RAFT's multi-level cost retrieval (the baseline row)
+    decoder_gma: bool = True  # GMA's global motion aggregation in the update block (official `gma`)
 
     def __post_init__(self) -> None:
-        self._take_agt_knobs()
+        self._check_decoder_knobs()
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
         if isinstance(self.activation_checkpoint, str):
             raise TypeError(
@@ -168,25 +166,31 @@ class BackboneConfig:
             if not ok:
                 raise ValueError(message)
 
-    def _take_agt_knobs(self) -> None:
-        """A retired cost_encoder value becomes the knobs it means (RETIRED_COST_ENCODERS); the AGT knobs are
-        checked."""
-        retired = RETIRED_COST_ENCODERS.get(self.cost_encoder, {})
-        for knob, value in retired.items():
-            if getattr(self, knob) not in (value, getattr(BackboneConfig, knob)):
-                raise ValueError(
-                    f"backbone.cost_encoder={self.cost_encoder} is the retired name of backbone.{knob}={value}, "
-                    f"which contradicts backbone.{knob}={getattr(self, knob)!r}; drop backbone.cost_encoder"
-                )
-            object.__setattr__(self, knob, value)
-        if retired:
-            object.__setattr__(self, "cost_encoder", BackboneConfig.cost_encoder)
-        for knob, kinds in (("intra_layer", INTRA_LAYERS), ("inter_layer", INTER_LAYERS)):
-            if getattr(self, knob) not in kinds:
-                raise ValueError(f"backbone.{knob} must be one of {kinds}, got {getattr(self, knob)!r}")
-        for knob in ("token_pe", "agt_pe"):
-            if not isinstance(getattr(self, knob), bool):  # a setting: a ValueError is reported in one line
-                raise ValueError(f"backbone.{knob} must be true or false, got {getattr(self, knob)!r}")  # noqa: TRY004
+    def _check_decoder_knobs(self) -> None:
+        """backbone.decoder and backbone.decoder_gma; mcr has no cost encoder, so its knobs that would build or
+        run one are refused (agt_depth must say 0 AGT layers; the others are left unused)."""
+        if self.decoder not in DECODERS:
+            raise ValueError(f"backbone.decoder must be one of {DECODERS}, got {self.decoder!r}")
+        if not isinstance(self.decoder_gma, bool):  # a setting: a ValueError is reported in one line
+            raise ValueError(f"backbone.decoder_gma must be true or false, got {self.decoder_gma!r}")  # noqa: TRY004
+        if self.decoder != "mcr":
+            return
+        if self.agt_depth != 0:
+            raise ValueError(
+                "backbone.decoder=mcr reads the cost volume without a cost encoder, so it takes no AGT layers: "
+                f"set backbone.agt_depth=0 (got {self.agt_depth})"
+            )
+        if self.feature_dim != 2 * self.decoder_dim:
+            raise ValueError(
+                "backbone.decoder=mcr splits the context features into the GRU state and input as RAFT does, so "
+                f"backbone.feature_dim ({self.feature_dim}) must be 2 x backbone.decoder_dim ({self.decoder_dim})"
+            )
+        cost_stages = sorted({"tokenize", "cost_layers"} & set(self.activation_checkpoint))
+        if cost_stages:
+            raise ValueError(
+                f"backbone.activation_checkpoint {cost_stages}: backbone.decoder=mcr has no cost encoder to "
+                "recompute; keep image_encoders and decoder only"
+            )
 
     def stored(self) -> dict:
         """The knobs as stored with checkpoints: plain values, without `twins_weights` (the ImageNet weights
@@ -209,22 +213,21 @@ class BackboneConfig:
         return COST_ENCODERS[self.cost_encoder](
             cost_heads=self.cost_heads,
             cost_patch_dim=self.cost_patch_dim,
-            patch_pe_dim=(traits.patch_pe_dim or self.cost_patch_dim) if self.token_pe else 0,
+            patch_pe_dim=traits.patch_pe_dim or self.cost_patch_dim,
             num_latent_tokens=self.num_latent_tokens,
             latent_dim=self.latent_dim,
             agt_depth=self.agt_depth,
             context_dim=self.feature_dim,  # the context encoder's output width
             context_proj_dim=self.context_proj_dim,
             gsa_key_pe=traits.gsa_key_pe_without_context or self.context_proj_dim > 0,
-            intra_layer=self.intra_layer,
-            inter_layer=self.inter_layer,
-            agt_pe=self.agt_pe,
             tokenize_chunk=self.tokenize_chunk,
             checkpoint_tokenize="tokenize" in self.activation_checkpoint,
             checkpoint_layers="cost_layers" in self.activation_checkpoint,
         )
 
     def build(self) -> FlowFormer:
+        if self.decoder == "mcr":
+            return self._flowformer(cost_encoder=None, decoder=self.mcr_decoder_module(), convertor=None)
         traits = VARIANTS[self.variant]
         cost_encoder = self.cost_encoder_module()
         decoder = MemoryDecoder(
@@ -237,9 +240,23 @@ class BackboneConfig:
             recon_size=self.recon_size if traits.reconstruction_head else None,
             recon_head_depth=self.recon_head_depth,
             decoder_dim=self.decoder_dim,
+            global_motion=self.decoder_gma,
             checkpoint_iterations="decoder" in self.activation_checkpoint,
         )
         convertor = nn.Conv2d(self.feature_dim, self.feature_dim, 1, bias=False) if traits.channel_convertor else None
+        return self._flowformer(cost_encoder=cost_encoder, decoder=decoder, convertor=convertor)
+
+    def mcr_decoder_module(self) -> MultiLevelCostDecoder:
+        return MultiLevelCostDecoder(
+            cost_heads=self.cost_heads,
+            decoder_dim=self.decoder_dim,
+            global_motion=self.decoder_gma,
+            checkpoint_iterations="decoder" in self.activation_checkpoint,
+        )
+
+    def _flowformer(
+        self, *, cost_encoder: CostEncoder | None, decoder: RecurrentRefinement, convertor: nn.Module | None
+    ) -> FlowFormer:
         return FlowFormer(
             feature_encoder=self.image_encoder_module(),
             context_encoder=self.image_encoder_module(),

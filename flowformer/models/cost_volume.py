@@ -88,8 +88,9 @@ MAPS_FOR_WINDOWS_MAX_PIXELS = 32768
 
 
 class FeatureCostVolume(CostVolume):
-    """The volume as feat1, feat2 [B, C, H, W]; maps and windows computed for `rows_per_block` source pixels
-    at a time (peak: one block of cost maps, [rows_per_block, heads, H, W] fp32)."""
+    """The volume as feat1 [B, C, H, W], feat2 [B, C, H2, W2] (smaller than feat1 for RAFT's pooled pyramid
+    levels, flowformer/models/raft_decoder.py); maps and windows computed for `rows_per_block` source pixels at
+    a time (peak: one block of cost maps, [rows_per_block, heads, H2, W2] fp32)."""
 
     def __init__(self, feat1: Tensor, feat2: Tensor, heads: int, rows_per_block: int) -> None:
         if rows_per_block < 1:
@@ -97,22 +98,22 @@ class FeatureCostVolume(CostVolume):
         batch, channels, height, width = feat1.shape
         self.heads = heads
         self.num_rows = batch * height * width
-        self.map_size = (height, width)
+        self.source_pixels = height * width  # per image
+        self.map_size = tuple(feat2.shape[-2:])
         self.block_rows = rows_per_block
-        self.feat2 = feat2.float()  # [B, C, H, W], sampled by `_window_from_features`
-        # [B, heads, H*W, C/heads]: per-head features in fp32, laid out as dense_cost_maps lays them out, so a
-        # block's maps are the dense volume's numbers
+        self.feat2 = feat2.float()  # [B, C, H2, W2], sampled by `_window_from_features`
+        # [B, heads, H*W (f2: H2*W2), C/heads]: per-head features in fp32, laid out as dense_cost_maps lays them
+        # out, so a block's maps are the dense volume's numbers
         self.f1 = feat1.float().view(batch, heads, channels // heads, height * width).transpose(-2, -1)
-        self.f2 = self.feat2.view(batch, heads, channels // heads, height * width).transpose(-2, -1)
+        self.f2 = self.feat2.view(batch, heads, channels // heads, -1).transpose(-2, -1)
 
     def _over_images(self, rows: slice, block_of_image: Callable[[int, slice, slice], Tensor]) -> Tensor:
         """block_of_image(image, its source pixels, their rows within the block) for each image the row block
         spans, concatenated along the rows."""
-        pixels_per_image = self.map_size[0] * self.map_size[1]
         pieces, start = [], rows.start
         while start < rows.stop:
-            image, first = divmod(start, pixels_per_image)
-            stop = min(rows.stop, (image + 1) * pixels_per_image)
+            image, first = divmod(start, self.source_pixels)
+            stop = min(rows.stop, (image + 1) * self.source_pixels)
             in_block = slice(start - rows.start, stop - rows.start)
             pieces.append(block_of_image(image, slice(first, first + stop - start), in_block))
             start = stop

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -204,20 +206,26 @@ class FlowHead(nn.Module):
         return self.conv2(F.relu(self.conv1(x)))
 
 
-class GMAUpdateBlock(nn.Module):
+class UpdateBlock(nn.Module):
     """One refinement step: (net, inp, corr, flow, attention) -> (net, up_mask [B,576,H,W], delta [B,2,H,W]);
-    up_mask is None when `with_mask` is false (an iteration whose full-resolution flow is not wanted)."""
+    up_mask is None when `with_mask` is false (an iteration whose full-resolution flow is not wanted).
 
-    def __init__(self, *, corr_dim: int, hidden: int) -> None:
+    global_motion: GMA's aggregation of the motion features over the context's attention joins the GRU input
+    (official `GMAUpdateBlock`, `gma` true); without it the GRU reads the context and the motion features only
+    and there is no `aggregator` (official `BasicUpdateBlock`, RAFT's update block; attention must be None)."""
+
+    def __init__(self, *, corr_dim: int, hidden: int, global_motion: bool) -> None:
         super().__init__()
         self.encoder = MotionEncoder(corr_dim=corr_dim, dim=hidden)
-        self.gru = SepConvGRU(hidden=hidden, input_dim=3 * hidden)  # input: context, motion, aggregated motion
+        # GRU input: context, motion (and aggregated motion)
+        self.gru = SepConvGRU(hidden=hidden, input_dim=(3 if global_motion else 2) * hidden)
         self.flow_head = FlowHead(hidden=hidden)
         # 8x8 convex-combination weights over a 3x3 neighbourhood; official width 256 for hidden 128
         self.mask = nn.Sequential(
             nn.Conv2d(hidden, 2 * hidden, 3, padding=1), nn.ReLU(), nn.Conv2d(2 * hidden, 64 * 9, 1)
         )
-        self.aggregator = Aggregate(dim=hidden)
+        if global_motion:
+            self.aggregator = Aggregate(dim=hidden)
 
     def forward(
         self,
@@ -225,13 +233,16 @@ class GMAUpdateBlock(nn.Module):
         inp: Tensor,
         corr: Tensor,
         flow: Tensor,
-        attention: Tensor | ChunkedAttention,
+        attention: Tensor | ChunkedAttention | None,
         with_mask: bool = True,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         motion = self.encoder(flow, corr)
-        motion_global = self.aggregator(attention, motion)
-        net = self.gru(net, torch.cat([inp, motion, motion_global], dim=1))
-        # 0.25 scales the mask logits "to balance gradients", as the official GMAUpdateBlock does
+        if attention is None:
+            gru_input = torch.cat([inp, motion], dim=1)
+        else:
+            gru_input = torch.cat([inp, motion, self.aggregator(attention, motion)], dim=1)
+        net = self.gru(net, gru_input)
+        # 0.25 scales the mask logits "to balance gradients", as the official update blocks do
         return net, 0.25 * self.mask(net) if with_mask else None, self.flow_head(net)
 
 
@@ -253,12 +264,84 @@ class ReconstructionHead(nn.Sequential):
         self.recon_size = recon_size
 
 
-class MemoryDecoder(nn.Module):
-    """Iterative flow decoding from the cost memory [B*H1*W1, K, memory_dim]; with `recon_size`, also
-    FlowFormer++'s reconstruction head (`recon_size` None: no head, FlowFormer). decoder_dim: the width of the
-    recurrent part (GRU state, context input, motion features; official 128). checkpoint_iterations: each
-    refinement iteration's activations (and each MCVA query round's, flowformer/models/mcva.py) are recomputed in
-    the backward pass instead of kept."""
+class RecurrentRefinement(nn.Module):
+    """The refinement loop both decoders run (RAFT's, with GMA's motion attention when `att` exists): from the
+    context's GRU state and input, each iteration reads correlation features at the current target positions,
+    the update block turns them into a flow update, and convex upsampling gives the full-resolution flow.
+
+    A subclass sets `update_block` (an UpdateBlock), `att` (a GMAAttention, only with global motion),
+    `decoder_dim` and `checkpoint_iterations`, and says how the context becomes the GRU state and input
+    (`split_context`)."""
+
+    decoder_dim: int
+    checkpoint_iterations: bool
+    kind = "cost memory decoder"
+    min_image_side = 0  # the image encoders' limits are the decoder's
+
+    def split_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """context [B, C, H1, W1] -> (GRU state, GRU context input), each [B, decoder_dim, H1, W1]."""
+        raise NotImplementedError
+
+    def refine(
+        self,
+        correlation: Callable[[Tensor], Tensor],
+        context: Tensor,
+        iters: int,
+        flow_init: Tensor | None,
+        query_chunk: int | None,
+        upsample_all: bool,
+        activation_budget: int | None,
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """-> (flow_up [B, 2, H, W], flow_low [B, 2, H1, W1]) per iteration; flow_up only for the last one
+        unless `upsample_all`. correlation: target positions coords1 [B, 2, H1, W1] -> the update block's
+        correlation input [B, corr_dim, H1, W1]. The other arguments: `MemoryDecoder.forward`."""
+        if iters < 1:
+            raise ValueError(f"the decoder needs at least one refinement iteration (iters), got {iters}")
+        batch, _, h1, w1 = context.shape
+        coords0 = coords_grid(batch, h1, w1, device=context.device)
+        coords1 = coords0.clone()
+        if flow_init is not None:
+            if flow_init.shape != coords0.shape:
+                raise ValueError(
+                    f"flow_init must be [B, 2, H/8, W/8] = {tuple(coords0.shape)} (1/8-res pixels), "
+                    f"got {tuple(flow_init.shape)}"
+                )
+            coords1 = coords1 + flow_init
+        net, inp = self.split_context(context)
+        attention = self.att(inp, query_chunk) if hasattr(self, "att") else None
+        upsample_rows = None
+        if activation_budget is not None:
+            row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
+            upsample_rows = max(1, activation_budget // row_bytes)
+
+        def step(net: Tensor, coords1: Tensor, upsample: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+            """One iteration: -> (GRU state, coords1, flow_low [B, 2, H1, W1], flow_up [B, 2, H, W] if upsample)."""
+            flow = coords1 - coords0
+            net, up_mask, delta = self.update_block(
+                net, inp, correlation(coords1), flow, attention, with_mask=upsample
+            )
+            coords1 = coords1 + delta.float()
+            flow_low = coords1 - coords0
+            flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
+            return net, coords1, flow_low, flow_up
+
+        outputs = []
+        for iteration in range(iters):
+            upsample = upsample_all or iteration == iters - 1
+            net, coords1, flow_low, flow_up = recomputed_in_backward(
+                self.checkpoint_iterations, step, net, coords1.detach(), upsample
+            )
+            outputs.append((flow_up, flow_low))
+        return outputs
+
+
+class MemoryDecoder(RecurrentRefinement):
+    """Iterative flow decoding from the cost memory [B*H1*W1, K, memory_dim] (the paper's cost memory decoder,
+    CMD); with `recon_size`, also FlowFormer++'s reconstruction head (`recon_size` None: no head, FlowFormer).
+    decoder_dim: the width of the recurrent part (GRU state, context input, motion features; official 128).
+    global_motion: GMA's motion aggregation in the update block (official `gma`; `att` exists only with it).
+    checkpoint_iterations: each refinement iteration's activations (and each MCVA query round's,
+    flowformer/models/mcva.py) are recomputed in the backward pass instead of kept."""
 
     def __init__(
         self,
@@ -272,10 +355,12 @@ class MemoryDecoder(nn.Module):
         recon_size: int | None,
         recon_head_depth: int,
         decoder_dim: int,
+        global_motion: bool = True,
         checkpoint_iterations: bool = False,
     ) -> None:
         super().__init__()
         self.decoder_dim = decoder_dim
+        self.cost_heads = cost_heads
         self.checkpoint_iterations = checkpoint_iterations
         crop_dim = cost_heads * (2 * QUERY_RADIUS + 1) ** 2
         self.flow_token_encoder = nn.Sequential(
@@ -292,8 +377,15 @@ class MemoryDecoder(nn.Module):
             concat_shortcut=concat_shortcut,
             decoder_query=decoder_query,
         )
-        self.update_block = GMAUpdateBlock(corr_dim=query_dim + crop_dim, hidden=decoder_dim)
-        self.att = GMAAttention(dim=decoder_dim)
+        self.update_block = UpdateBlock(
+            corr_dim=query_dim + crop_dim, hidden=decoder_dim, global_motion=global_motion
+        )
+        if global_motion:
+            self.att = GMAAttention(dim=decoder_dim)
+
+    def split_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        net, inp = torch.split(self.proj(context), [self.decoder_dim, self.decoder_dim], dim=1)
+        return torch.tanh(net), torch.relu(inp)
 
     def memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
         """cost memory [N, K, D] -> keys, values [N, K, Q], computed once per image pair."""
@@ -327,46 +419,11 @@ class MemoryDecoder(nn.Module):
         cost: the volume or a CostVolume; query_chunk: aggregate the global motion attention for that many
         pixels at a time (None: hold its whole [B, 1, HW, HW] map); activation_budget: bytes for the convex
         upsampling's weights, spent on blocks of rows (None: the whole image at once)."""
-        if iters < 1:
-            raise ValueError(
-                f"the decoder needs at least one refinement iteration (iters), got {iters}"
-            )
-        batch, _, h1, w1 = context.shape
-        coords0 = coords_grid(batch, h1, w1, device=context.device)
-        coords1 = coords0.clone()
-        if flow_init is not None:
-            if flow_init.shape != coords0.shape:
-                raise ValueError(
-                    f"flow_init must be [B, 2, H/8, W/8] = {tuple(coords0.shape)} (1/8-res pixels), "
-                    f"got {tuple(flow_init.shape)}"
-                )
-            coords1 = coords1 + flow_init
-        net, inp = torch.split(self.proj(context), [self.decoder_dim, self.decoder_dim], dim=1)
-        net, inp = torch.tanh(net), torch.relu(inp)
-        attention = self.att(inp, query_chunk)
         cost = as_cost_volume(cost)
         kv = self.memory_kv(cost_memory)
-        upsample_rows = None
-        if activation_budget is not None:
-            row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
-            upsample_rows = max(1, activation_budget // row_bytes)
 
-        def refine(net: Tensor, coords1: Tensor, upsample: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-            """One iteration: -> (GRU state, coords1, flow_low [B, 2, H1, W1], flow_up [B, 2, H, W] if upsample)."""
+        def correlation(coords1: Tensor) -> Tensor:
             cost_global, crop = self.query(kv, cost, coords1)
-            corr = torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
-            flow = coords1 - coords0
-            net, up_mask, delta = self.update_block(net, inp, corr, flow, attention, with_mask=upsample)
-            coords1 = coords1 + delta.float()
-            flow_low = coords1 - coords0
-            flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
-            return net, coords1, flow_low, flow_up
+            return torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
 
-        outputs = []
-        for iteration in range(iters):
-            upsample = upsample_all or iteration == iters - 1
-            net, coords1, flow_low, flow_up = recomputed_in_backward(
-                self.checkpoint_iterations, refine, net, coords1.detach(), upsample
-            )
-            outputs.append((flow_up, flow_low))
-        return outputs
+        return self.refine(correlation, context, iters, flow_init, query_chunk, upsample_all, activation_budget)

@@ -2,10 +2,13 @@
 
 Parts: a feature encoder and a context encoder (images -> 1/8-resolution features), an optional bias-free 1x1
 `channel_convertor` on the features (FlowFormer has it), a cost encoder (`CostEncoder`: cost maps -> cost memory)
-and the decoder (`MemoryDecoder`). flowformer/models/build.py builds them from the backbone knobs
-(`build_flowformer`, conf/backbone/*.yaml) and names the published variants.
+and the decoder (`MemoryDecoder`, the cost memory decoder). Or, for the RAFT baseline, no cost encoder and RAFT's
+`MultiLevelCostDecoder`, reading a correlation pyramid of the cost volume (flowformer/models/raft_decoder.py).
+flowformer/models/build.py builds them from the backbone knobs (`build_flowformer`, conf/backbone/*.yaml) and
+names the published variants.
 
-Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode`. With
+Stages: `encode_images` -> `cost_volume` -> `encode_cost` (optionally masked, MCVA) -> `decode` (without a cost
+encoder: `encode_images` -> `correlation`, the pyramid -> `decode`). With
 `memory_budget_gb`, `forward` bounds the terms that grow with (H/8·W/8)² (flowformer/models/memory_plan.py): the
 cost volume is then a FeatureCostVolume, computed in blocks, and the layers whose transients grow with the
 pixels run over blocks of rows (`MemoryPlan.activation_bytes`).
@@ -24,23 +27,25 @@ from torch import Tensor, nn
 
 from flowformer.models.cost_encoder import CostEncoder
 from flowformer.models.cost_volume import CostVolume, FeatureCostVolume, dense_cost_maps
-from flowformer.models.decoder import MemoryDecoder
+from flowformer.models.decoder import RecurrentRefinement
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
+from flowformer.models.raft_decoder import CostPyramid, cost_pyramid
 from flowformer.models.token_mask import TokenMask
 
 
 class MemoryEncoder(nn.Module):
-    """Holds the feature encoder, the optional `channel_convertor` and the cost encoder under their official
-    names (`memory_encoder.feat_encoder.`, `.channel_convertor.`, `.cost_perceiver_encoder.`)."""
+    """Holds the feature encoder, the optional `channel_convertor` and the optional cost encoder under their
+    official names (`memory_encoder.feat_encoder.`, `.channel_convertor.`, `.cost_perceiver_encoder.`)."""
 
     def __init__(
-        self, *, feat_encoder: nn.Module, channel_convertor: nn.Module | None, cost_encoder: CostEncoder
+        self, *, feat_encoder: nn.Module, channel_convertor: nn.Module | None, cost_encoder: CostEncoder | None
     ) -> None:
         super().__init__()
         self.feat_encoder = feat_encoder
         if channel_convertor is not None:
             self.channel_convertor = channel_convertor
-        self.cost_perceiver_encoder = cost_encoder
+        if cost_encoder is not None:
+            self.cost_perceiver_encoder = cost_encoder
 
 
 class FlowFormer(nn.Module):
@@ -48,8 +53,10 @@ class FlowFormer(nn.Module):
 
     feature_encoder, context_encoder: images [B, 3, H, W] in [-1, 1] -> [B, C, H/8, W/8], with the attributes
         `kind` and `min_image_side` (flowformer/models/encoders.py).
-    cost_encoder: a `CostEncoder`; channel_convertor: a module applied to both images' features, or None.
-    decoder: a `MemoryDecoder` reading cost memory of width `cost_encoder.latent_dim`.
+    cost_encoder: a `CostEncoder`, or None for the RAFT baseline; channel_convertor: a module applied to both
+        images' features, or None.
+    decoder: a `MemoryDecoder` reading cost memory of width `cost_encoder.latent_dim`, or, without a cost
+        encoder, a `MultiLevelCostDecoder` reading the correlation pyramid.
     memory_budget_gb: bound the memory `forward` spends on the (H/8·W/8)² terms (None: the dense computation).
     config: the builder knobs that rebuild this network, stored with checkpoints (`build_flowformer` sets it).
 
@@ -63,8 +70,8 @@ class FlowFormer(nn.Module):
         *,
         feature_encoder: nn.Module,
         context_encoder: nn.Module,
-        cost_encoder: CostEncoder,
-        decoder: MemoryDecoder,
+        cost_encoder: CostEncoder | None,
+        decoder: RecurrentRefinement,
         channel_convertor: nn.Module | None = None,
         memory_budget_gb: float | None = None,
         config: Mapping[str, Any] | None = None,
@@ -88,8 +95,9 @@ class FlowFormer(nn.Module):
         return None if self.config is None else self.config["variant"]
 
     @property
-    def cost_encoder(self) -> CostEncoder:
-        return self.memory_encoder.cost_perceiver_encoder
+    def cost_encoder(self) -> CostEncoder | None:
+        """The cost encoder; None with the mcr decoder, which reads the cost volume itself."""
+        return getattr(self.memory_encoder, "cost_perceiver_encoder", None)
 
     # ---- stages ---------------------------------------------------------------------------------------------
     def encode_images(
@@ -103,6 +111,7 @@ class FlowFormer(nn.Module):
         dense path's bitwise; one that does not (the CNN) runs on each image in turn, which halves its peak, with
         the same numbers to float rounding (its InstanceNorm normalises each image on its own)."""
         _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
+        _check_decoder_side(image1, self.memory_decoder)
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
         context = _within_budget(self.context_encoder, activation_budget, image1)
@@ -119,32 +128,37 @@ class FlowFormer(nn.Module):
     def cost_volume(self, feat1: Tensor, feat2: Tensor) -> Tensor:
         """All-pairs dot products, unscaled (no 1/sqrt(C), as the official `corr`), in fp32:
         -> cost_maps [B*H1*W1, heads, H1, W1]."""
-        return dense_cost_maps(feat1, feat2, self.cost_encoder.cost_heads)
+        return dense_cost_maps(feat1, feat2, self.memory_decoder.cost_heads)
 
     def memory_plan(self, batch: int, h1: int, w1: int) -> MemoryPlan:
         """How `forward` bounds its memory for B image pairs with 1/8-resolution size h1 x w1 within
         `memory_budget_gb`."""
+        reader = self.memory_decoder if self.cost_encoder is None else self.cost_encoder
         return plan_memory(
             self.memory_budget_gb,
             batch=batch,
             h1=h1,
             w1=w1,
-            heads=self.cost_encoder.cost_heads,
-            cost_map_bytes=self.cost_encoder.cost_map_bytes(h1, w1),
+            heads=self.memory_decoder.cost_heads,
+            cost_map_bytes=reader.cost_map_bytes(h1, w1),
         )
 
-    def correlation(self, feat1: Tensor, feat2: Tensor, plan: MemoryPlan) -> Tensor | CostVolume:
+    def correlation(self, feat1: Tensor, feat2: Tensor, plan: MemoryPlan) -> Tensor | CostVolume | CostPyramid:
         """The cost volume as the plan allows: the dense volume, or a FeatureCostVolume computing blocks of
-        `plan.cost_rows` cost maps when they are needed."""
+        `plan.cost_rows` cost maps when they are needed; without a cost encoder, the mcr decoder's correlation
+        pyramid, dense or in such blocks."""
+        heads = self.memory_decoder.cost_heads
+        if self.cost_encoder is None:
+            return cost_pyramid(feat1, feat2, heads, plan.cost_rows)
         if plan.cost_rows is None:
             return self.cost_volume(feat1, feat2)
-        return FeatureCostVolume(feat1, feat2, self.cost_encoder.cost_heads, plan.cost_rows)
+        return FeatureCostVolume(feat1, feat2, heads, plan.cost_rows)
 
     def planned_cost_volume(
         self, image1: Tensor, image2: Tensor
-    ) -> tuple[MemoryPlan, Tensor | CostVolume, Tensor]:
-        """images [B, 3, H, W] in 0..255 -> (the memory plan for them, the unmasked cost volume as the plan
-        allows, context [B, C, H/8, W/8]): the first stages of `forward` and of MCVA pretraining. A bounded
+    ) -> tuple[MemoryPlan, Tensor | CostVolume | CostPyramid, Tensor]:
+        """images [B, 3, H, W] in 0..255 -> (the memory plan for them, the unmasked cost volume (or pyramid) as
+        the plan allows, context [B, C, H/8, W/8]): the first stages of `forward` and of MCVA pretraining. A bounded
         plan also encodes the images one at a time, within its activation budget."""
         batch, _, height, width = image1.shape
         plan = self.memory_plan(batch, height // 8, width // 8)
@@ -162,6 +176,10 @@ class FlowFormer(nn.Module):
         [B*H1*W1, K, D]; token_mask (MCVA) hides cost-map patches from the cost encoder; activation_budget
         (MemoryPlan.activation_bytes) bounds the transients of its layers over the cost memory, where the encoder
         supports it."""
+        if self.cost_encoder is None:
+            raise ValueError(
+                "backbone.decoder=mcr builds no cost encoder and no cost memory: use backbone.decoder=cmd"
+            )
         if token_mask is not None and not self.cost_encoder.supports_token_mask:
             raise ValueError(
                 f"the cost encoder {type(self.cost_encoder).__name__} cannot hide cost-map patches, so MCVA "
@@ -190,8 +208,8 @@ class FlowFormer(nn.Module):
 
     def decode(
         self,
-        cost_memory: Tensor,
-        cost: Tensor | CostVolume,
+        cost_memory: Tensor | None,
+        cost: Tensor | CostVolume | CostPyramid,
         context: Tensor,
         iters: int,
         flow_init: Tensor | None = None,
@@ -231,7 +249,9 @@ class FlowFormer(nn.Module):
                 f"FlowFormer.forward: iters must be an integer >= 1 (refinement iterations), got {iters!r}"
             )
         plan, cost, context = self.planned_cost_volume(image1, image2)
-        cost_memory = self.encode_cost(cost, context, activation_budget=plan.activation_bytes)
+        cost_memory = None
+        if self.cost_encoder is not None:
+            cost_memory = self.encode_cost(cost, context, activation_budget=plan.activation_bytes)
         steps = self.decode(
             cost_memory,
             cost,
@@ -274,4 +294,14 @@ def _check_images(image1: Tensor, image2: Tensor, *encoders: nn.Module) -> None:
         raise ValueError(
             f"image size {height}x{width} is not a multiple of 8: pad by {pad_h} rows and {pad_w} columns "
             f"(to {height + pad_h}x{width + pad_w}) before calling the network (padding is the caller's job)"
+        )
+
+
+def _check_decoder_side(image: Tensor, decoder: RecurrentRefinement) -> None:
+    height, width = image.shape[-2:]
+    side = decoder.min_image_side
+    if min(height, width) < side:
+        raise ValueError(
+            f"FlowFormer with the {decoder.kind} needs images of at least {side}x{side} pixels, got "
+            f"{height}x{width}; pad or upscale the images"
         )
