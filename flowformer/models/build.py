@@ -2,7 +2,7 @@
 what tells the two published variants apart, and one builder per published or test-sized network.
 
     net = build_flowformer_pp()                       # FlowFormer++ as released
-    net = build_flowformer_small(cost_encoder="mixer")   # FlowFormer-small with the MLP-Mixer ablation
+    net = build_flowformer_small(intra_layer="mlp")   # FlowFormer-small with the MLP-Mixer ablation
     net = build_flowformer(**cfg.backbone)            # any knobs (Hydra: hydra.utils.instantiate(cfg.backbone))
 
 Each knob is defined once, with its default and its check, in `BackboneConfig`; the defaults are the paper's
@@ -16,15 +16,18 @@ from dataclasses import asdict, dataclass, replace
 
 from torch import nn
 
-from flowformer.models.cost_encoder import CostEncoder, CostPerceiverEncoder, MixerCostEncoder
+from flowformer.models.cost_encoder import INTER_LAYERS, INTRA_LAYERS, CostEncoder, CostPerceiverEncoder
 from flowformer.models.decoder import MemoryDecoder, RecurrentRefinement
 from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
 from flowformer.models.flowformer import FlowFormer
 from flowformer.models.raft_decoder import MultiLevelCostDecoder
 
-# backbone.cost_encoder -> its class; a new cost encoder subclasses `CostEncoder` (or `CostPerceiverEncoder`, as
-# MixerCostEncoder does) and is added here.
-COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder, "mixer": MixerCostEncoder}
+# backbone.cost_encoder -> its class; a new cost encoder (a whole replacement) subclasses `CostEncoder` or
+# `CostPerceiverEncoder` and is added here. The AGT layer's own options are knobs (intra_layer, inter_layer, ...).
+COST_ENCODERS: dict[str, type[CostPerceiverEncoder]] = {"agt": CostPerceiverEncoder}
+# backbone.cost_encoder values that were options of the AGT encoder, as the knobs they now are: stored configs
+# (checkpoints, run records) and command lines that name them keep building the same network.
+RETIRED_COST_ENCODERS = {"mixer": {"intra_layer": "mlp"}}
 IMAGE_ENCODERS = ("twins", "cnn")
 # backbone.decoder: "cmd" the cost memory decoder (FlowFormer's), "mcr" RAFT's multi-level cost retrieval
 # decoder, which reads a correlation pyramid of the cost volume: no cost encoder, no channel_convertor
@@ -87,7 +90,9 @@ class BackboneConfig:
     feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: a local timm ImageNet file.
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
     agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers): its
-    knobs. query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
+    knobs; intra_layer (INTRA_LAYERS), inter_layer (INTER_LAYERS), token_pe, agt_pe: the AGT layer's halves and
+    the positional codes of the tokens and of the AGT layers (the paper's architecture ablations).
+    query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
     recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth);
     decoder_dim: the recurrent decoder's width (GRU state, context input, motion features; official 128).
     decoder: "cmd" | "mcr" (DECODERS); decoder_gma: GMA's motion aggregation in either decoder's update block.
@@ -108,6 +113,11 @@ class BackboneConfig:
     latent_dim: int = 128
     agt_depth: int = 3
     context_proj_dim: int = 64
+    # the AGT layer's halves and positional codes, the paper's architecture ablations (docs/ablations.md)
+    intra_layer: str = "transformer"  # INTRA_LAYERS: self-attention over the K tokens | MLP-Mixer | none
+    inter_layer: str = "transformer"  # INTER_LAYERS: LSA + GSA over the source grid | ConvNeXt | none
+    token_pe: bool = True  # the sine code concatenated to each cost patch token
+    agt_pe: bool = True  # the sine codes of the LSA window and of the GSA queries and keys
     query_dim: int = 64
     decoder_query: str = "crop_and_pe"
     recon_size: int = 15
@@ -121,6 +131,7 @@ class BackboneConfig:
     decoder_gma: bool = True  # GMA's global motion aggregation in the update block (official `gma`)
 
     def __post_init__(self) -> None:
+        self._take_agt_knobs()
         self._check_decoder_knobs()
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
         if isinstance(self.activation_checkpoint, str):
@@ -165,6 +176,26 @@ class BackboneConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _take_agt_knobs(self) -> None:
+        """A retired cost_encoder value becomes the knobs it means (RETIRED_COST_ENCODERS); the AGT knobs are
+        checked."""
+        retired = RETIRED_COST_ENCODERS.get(self.cost_encoder, {})
+        for knob, value in retired.items():
+            if getattr(self, knob) not in (value, getattr(BackboneConfig, knob)):
+                raise ValueError(
+                    f"backbone.cost_encoder={self.cost_encoder} is the retired name of backbone.{knob}={value}, "
+                    f"which contradicts backbone.{knob}={getattr(self, knob)!r}; drop backbone.cost_encoder"
+                )
+            object.__setattr__(self, knob, value)
+        if retired:
+            object.__setattr__(self, "cost_encoder", BackboneConfig.cost_encoder)
+        for knob, kinds in (("intra_layer", INTRA_LAYERS), ("inter_layer", INTER_LAYERS)):
+            if getattr(self, knob) not in kinds:
+                raise ValueError(f"backbone.{knob} must be one of {kinds}, got {getattr(self, knob)!r}")
+        for knob in ("token_pe", "agt_pe"):
+            if not isinstance(getattr(self, knob), bool):  # a setting: a ValueError is reported in one line
+                raise ValueError(f"backbone.{knob} must be true or false, got {getattr(self, knob)!r}")  # noqa: TRY004
 
     def _check_decoder_knobs(self) -> None:
         """backbone.decoder and backbone.decoder_gma; mcr has no cost encoder, so its knobs that would build or
@@ -213,13 +244,16 @@ class BackboneConfig:
         return COST_ENCODERS[self.cost_encoder](
             cost_heads=self.cost_heads,
             cost_patch_dim=self.cost_patch_dim,
-            patch_pe_dim=traits.patch_pe_dim or self.cost_patch_dim,
+            patch_pe_dim=(traits.patch_pe_dim or self.cost_patch_dim) if self.token_pe else 0,
             num_latent_tokens=self.num_latent_tokens,
             latent_dim=self.latent_dim,
             agt_depth=self.agt_depth,
             context_dim=self.feature_dim,  # the context encoder's output width
             context_proj_dim=self.context_proj_dim,
             gsa_key_pe=traits.gsa_key_pe_without_context or self.context_proj_dim > 0,
+            intra_layer=self.intra_layer,
+            inter_layer=self.inter_layer,
+            agt_pe=self.agt_pe,
             tokenize_chunk=self.tokenize_chunk,
             checkpoint_tokenize="tokenize" in self.activation_checkpoint,
             checkpoint_layers="cost_layers" in self.activation_checkpoint,
