@@ -115,6 +115,7 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     if not settings.compile:
         return
     stages = [*net.context_encoder_modules(), *net.feature_encoder_modules(), net.cost_encoder, net.memory_decoder]
+    stages = [stage for stage in stages if stage is not None]  # no cost encoder with backbone.decoder=mcr
     backend, mode = settings.compile_backend, settings.compile_mode
     for stage in stages:
         stage.compile(backend=backend, mode=mode)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torchvision.models.optical_flow import raft_large
 from torchvision.models.optical_flow.raft import (
     RAFT,
@@ -19,6 +20,7 @@ from torchvision.models.optical_flow.raft import (
 
 from flowformer.models import FlowFormer, build_flowformer
 from flowformer.models.raft_decoder import PYRAMID_LEVELS, PYRAMID_RADIUS, cost_pyramid
+from flowformer.tasks.runtime import compile_network
 
 from helpers.configs import backbone_config, build_backbone, mcva_settings
 
@@ -235,3 +237,10 @@ def test_default_knobs_build_the_same_network():
     ]
     with torch.no_grad():
         assert torch.equal(default.eval()(*images(), iters=2)["flow"], explicit.eval()(*images(), iters=2)["flow"])
+
+
+def test_compile_takes_the_network_without_a_cost_encoder():
+    net = build(**MCR)
+    compile_network(net, OmegaConf.create({"compile": True, "compile_backend": "eager", "compile_mode": None}))
+    assert net.memory_decoder._compiled_call_impl is not None
+    assert net.context_encoder._compiled_call_impl is not None
