@@ -276,9 +276,8 @@ class _FromPhotographs:
         super().__init__(**scene)
         owner = type(self).__name__
         if augmentor is not None and not isinstance(augmentor, self.augmentor_type):
-            raise TypeError(
-                f"{owner}: augmentor must be a {self.augmentor_type.__name__}, got {type(augmentor).__name__}"
-            )
+            expected = self.augmentor_type.__name__
+            raise TypeError(f"{owner}: augmentor must be {expected} or null, got {type(augmentor).__name__}")
         self.textures = PhotoTextures(
             root,
             split=split,

@@ -4,34 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
 
+from helpers.warping import visible, warp_error
+
 SIZE = (64, 96)
-
-
-def _backward_warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
-    """Sample image [3, H, W] at p + flow(p) (bilinear) -> [3, H, W]."""
-    _, height, width = image.shape
-    ys, xs = torch.meshgrid(torch.arange(height).float(), torch.arange(width).float(), indexing="ij")
-    grid = torch.stack(
-        [(xs + flow[0]) / (width - 1) * 2 - 1, (ys + flow[1]) / (height - 1) * 2 - 1], dim=-1
-    ).unsqueeze(0)
-    return F.grid_sample(image[None], grid, mode="bilinear", align_corners=True)[0]
-
-
-def _visible(item: dict) -> torch.Tensor:
-    return (item["valid"] > 0) & (item["occlusion"] == 0)
-
-
-def _warp_error(item: dict, flow: torch.Tensor) -> float:
-    """Mean abs error of frame 1 against frame 2 warped back, over visible pixels away from occlusions
-    (3x3 erosion: bilinear warping mixes two layers where a neighbour is occluded)."""
-    error = (_backward_warp(item["img2"], flow) - item["img1"]).abs().mean(dim=0)
-    interior = -F.max_pool2d(-_visible(item)[None].float(), 3, stride=1, padding=1)[0] > 0
-    return error[interior].mean().item()
 
 
 def test_item_follows_the_data_contract() -> None:
@@ -54,9 +33,9 @@ def test_warping_image2_by_gt_flow_recovers_image1(size: tuple[int, int]) -> Non
     errors, zero_errors = [], []
     for index in range(len(dataset)):
         item = dataset[index]
-        assert _visible(item).float().mean() > 0.4
-        errors.append(_warp_error(item, item["flow"]))
-        zero_errors.append(_warp_error(item, torch.zeros_like(item["flow"])))
+        assert visible(item).float().mean() > 0.4
+        errors.append(warp_error(item, item["flow"]))
+        zero_errors.append(warp_error(item, torch.zeros_like(item["flow"])))
     mean_error = sum(errors) / len(errors)
     assert mean_error < 2.0, errors  # grey levels, on non-occluded valid pixels
     assert max(errors) < 3.5, errors

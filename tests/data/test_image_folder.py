@@ -1,0 +1,212 @@
+"""Pairs and clips rendered from a folder of photographs: exact flow, the file split, folder errors, the
+zero-download default, the configs and a tiny training run on a folder of PNGs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from flowformer.data.datamodules import FlowDataModule, PretrainDataModule
+from flowformer.data.image_folder import (
+    SKIMAGE_PHOTOS,
+    ImageFolderError,
+    ImageFolderFlowDataset,
+    ImageFolderVideoDataset,
+)
+from flowformer.data.sampling import SampleKey
+from flowformer.data.transforms import FlowAugmentor
+from flowformer.tasks.train import fit
+
+from helpers.compose import compose_tiny_config
+from helpers.configs import CONF_DIR
+from helpers.warping import visible, warp_error
+
+SIZE = (48, 64)
+
+
+def _photo(seed: int, height: int = 72, width: int = 96) -> np.ndarray:
+    """A colour texture, uint8 [H, W, 3]: blurred noise and a few rectangles, with edges about 3 px wide."""
+    rng = np.random.default_rng(seed)
+    image = cv2.GaussianBlur(rng.uniform(0, 255, (height, width, 3)).astype(np.float32), (0, 0), 2.0)
+    image = (image - image.mean()) * 4 + 128
+    for _ in range(4):
+        y, x = rng.integers(0, height - 10), rng.integers(0, width - 10)
+        image[y : y + rng.integers(5, 20), x : x + rng.integers(5, 20)] = rng.uniform(0, 255, 3)
+    return np.clip(cv2.GaussianBlur(image, (0, 0), 1.5), 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 usable photographs in nested folders (two share a name), one too small, one that is not an image."""
+    root = tmp_path_factory.mktemp("photos")
+    names = ["a.png", "b.jpg", "sub/c.png", "sub/deeper/d.PNG", "sub/a.png", "e.jpeg", "f.png", "g.png"]
+    for seed, name in enumerate(names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(root / name), _photo(seed))
+    cv2.imwrite(str(root / "sub" / "tiny.png"), _photo(99, 20, 20))
+    (root / "notes.png").write_bytes(b"not an image")
+    (root / "readme.txt").write_text("ignored: not an image suffix")
+    return root
+
+
+def test_warping_frame2_by_the_flow_recovers_frame1(photos: Path) -> None:
+    dataset = ImageFolderFlowDataset(root=photos, num_samples=4, size=SIZE, seed=3)
+    errors, zero_errors = [], []
+    for index in range(len(dataset)):
+        item = dataset[index]
+        assert set(item) == {"img1", "img2", "flow", "valid", "occlusion", "meta"}
+        assert item["meta"] == {"dataset": "image_folder", "seed": 3, "index": index}
+        assert visible(item).float().mean() > 0.3
+        errors.append(warp_error(item, item["flow"]))
+        zero_errors.append(warp_error(item, torch.zeros_like(item["flow"])))
+    mean_error = sum(errors) / len(errors)
+    assert mean_error < 2.0 and max(errors) < 3.5, errors  # grey levels, as the synthetic pairs' test
+    assert sum(zero_errors) / len(zero_errors) > 4 * mean_error  # the flow, not the scene, explains frame 2
+
+
+def test_the_split_is_by_file_and_never_shares_a_photograph(photos: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        train = ImageFolderFlowDataset(root=photos, num_samples=6, size=SIZE, val_fraction=0.3)
+        # val at another size, as a validation set at the training crop: the split does not depend on it
+        val = ImageFolderFlowDataset(root=photos, split="val", num_samples=6, size=(32, 40), val_fraction=0.3)
+    train_files, val_files = set(train.textures.files), set(val.textures.files)
+    assert val_files and not train_files & val_files
+    assert len(train_files | val_files) == 8  # every usable photograph (sub/a.png and a.png are two)
+    assert {p.name for p in train_files | val_files} >= {"a.png", "d.PNG", "e.jpeg"}
+    # the small and the unreadable file are skipped, with one line, in whichever split holds them
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert sum(" 1 smaller than the render size" in line for line in skipped) == 1
+    assert sum(" 1 not readable as images" in line for line in skipped) == 1
+    for index in range(len(val)):  # the validation scenes decode validation photographs only
+        val[index]
+    assert set(val.textures._cache) <= val_files
+
+
+def test_folder_errors_are_one_line_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def error_for(root: Path) -> str:
+        with pytest.raises(ImageFolderError) as caught:
+            ImageFolderFlowDataset(root=root, num_samples=1, size=SIZE)
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    assert "does not exist" in error_for(tmp_path / "missing")
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "sub" / "notes.txt").write_text("x")
+    assert "holds no images" in error_for(tmp_path / "empty")
+    (tmp_path / "small").mkdir()
+    cv2.imwrite(str(tmp_path / "small" / "x.png"), _photo(0, 20, 20))
+    assert "at least 2 images" in error_for(tmp_path / "small")
+    cv2.imwrite(str(tmp_path / "small" / "y.png"), _photo(1, 20, 20))
+    assert "at least the render size 48x64" in error_for(tmp_path / "small")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    scandir = os.scandir
+
+    def denied(path):  # what os.walk meets in a folder without read permission (root ignores chmod)
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    assert f"cannot read the image folder {locked} (Permission denied)" in error_for(locked)
+
+
+def test_a_file_that_fails_to_decode_is_replaced_by_the_next(tmp_path: Path, caplog) -> None:
+    for seed in range(4):
+        cv2.imwrite(str(tmp_path / f"{seed}.jpg"), _photo(seed))
+    dataset = ImageFolderFlowDataset(root=tmp_path, num_samples=1, size=SIZE, val_fraction=0.25)
+    broken = dataset.textures.files[0]
+    broken.write_bytes(broken.read_bytes()[:-200])  # the header still reads; the scan is cut short
+    with caplog.at_level(logging.WARNING):
+        image = dataset.textures._decoded(0)
+    assert "truncated JPEG" in caplog.text and str(broken) in caplog.text
+    assert image.shape == (72, 96, 3) and dataset.textures.files[1] in dataset.textures._cache
+
+
+def test_deterministic_resumable_and_augmented(photos: Path) -> None:
+    augmentor = FlowAugmentor(crop_size=[40, 56], min_scale=-0.1, max_scale=1.0)
+    dataset = ImageFolderFlowDataset(root=photos, num_samples=4, size=SIZE, seed=5, augmentor=augmentor)
+    again = ImageFolderFlowDataset(root=photos, num_samples=4, size=SIZE, seed=5, augmentor=augmentor)
+    first, repeat = dataset[SampleKey(2, 77)], again[SampleKey(2, 77)]  # a training draw: its own seed
+    assert set(first) == {"img1", "img2", "flow", "valid", "meta"}
+    assert first["img1"].shape == (3, 40, 56) and first["flow"].shape == (2, 40, 56)
+    assert bool(first["valid"].all())
+    for key in ("img1", "img2", "flow"):
+        assert torch.equal(first[key], repeat[key])
+    assert not torch.equal(first["img1"], dataset[SampleKey(2, 78)]["img1"])  # another draw, another crop
+    seed5, seed0 = (ImageFolderFlowDataset(root=photos, num_samples=4, size=SIZE, seed=s) for s in (5, 0))
+    assert not torch.equal(seed5[2]["img1"], seed0[2]["img1"])
+    with pytest.raises(TypeError, match="augmentor must be ImagePairAugmentor or null, got FlowAugmentor"):
+        ImageFolderVideoDataset(root=photos, num_samples=1, size=SIZE, augmentor=augmentor)
+
+
+def test_clips_render_the_same_scenes(photos: Path) -> None:
+    clips = ImageFolderVideoDataset(root=photos, num_samples=2, size=SIZE, seed=4, num_frames=4)
+    pairs = ImageFolderFlowDataset(root=photos, num_samples=2, size=SIZE, seed=4)
+    clip = clips.clip(1)
+    assert clip.shape == (4, 3, *SIZE)
+    assert torch.equal(clip[0], pairs[1]["img1"]) and torch.equal(clip[3], pairs[1]["img2"])
+    assert not torch.equal(clip[1], clip[0]) and not torch.equal(clip[2], clip[3])
+    assert torch.equal(clips[1]["img2"], clip[3])
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_zero_download_default_configs_and_eval_set() -> None:
+    """root null: scikit-image's bundled photographs (read from disk), train and val disjoint, real motion."""
+    data = instantiate(_compose("data=image_folder").data)
+    assert isinstance(data, FlowDataModule) and data.val_names == ["image_folder"]
+    train, val = data.train_set.textures, data.val_sets["image_folder"].dataset.textures
+    assert {p.name for p in train.files} | {p.name for p in val.files} == set(SKIMAGE_PHOTOS)
+    assert not set(train.files) & set(val.files) and len(val.files) == 2
+    batch = next(iter(data.val_dataloader()[0]))
+    assert batch["img1"].shape == (4, 3, 64, 96) and batch["img1"].std() > 20
+    assert data.train_set[0]["img1"].shape == (3, 64, 96)
+
+    pretrain = instantiate(_compose("data=image_folder_video", "data.batch_size=2").data)
+    assert isinstance(pretrain, PretrainDataModule) and pretrain.train_set[0]["img1"].shape == (3, 64, 96)
+
+    eval_set = instantiate(_compose("task=eval", "eval=synthetic").eval.benchmarks.image_folder)
+    assert eval_set.kind == "flow" and eval_set.dataset.textures.files == val.files
+    flows = [eval_set[i]["flow"] for i in range(3)]
+    assert flows[0].shape == (2, 256, 384)
+    assert max(float(flow.norm(dim=0).max()) for flow in flows) > 40
+
+
+def test_a_tiny_training_run_on_a_folder_of_pngs(photos: Path, tmp_path: Path) -> None:
+    """`python run.py task=train backbone=tiny data=image_folder data.train.root=<folder> ...`, in this process."""
+    cfg = compose_tiny_config(
+        "task=train",
+        "trainer=cpu",
+        "data=image_folder",
+        f"data.train.root={photos}",
+        "data.train.size=[40,56]",
+        "data.train.augmentor.crop_size=[32,48]",
+        "data.train.num_samples=4",
+        "data.val.image_folder.dataset.num_samples=2",
+        "data.batch_size=2",
+        "data.val_batch_size=2",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "callbacks.progress_bar=null",
+        "model.train_iters=2",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path / 'run'}",
+    )
+    _, trainer = fit(cfg)
+    assert trainer.global_step == 2 and (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert "val/image_folder/epe" in trainer.callback_metrics
