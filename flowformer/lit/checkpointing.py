@@ -147,8 +147,9 @@ def validation_restart(fit_loop: dict) -> dict:
     the state Lightning saves inside that validation's first batch: Lightning resumes it by running the whole
     validation (its RESTARTED_MID_EVALUATION stage, with no batch done; its totals over the epoch count one
     batch started and not processed), then the rest of the training step's end, where the logged step
-    (``_batches_that_stepped``, saved before that increment) advances. Validation draws nothing from the global
-    random streams (its loaders have their own generator), so the random states saved with it hold."""
+    (``_batches_that_stepped``, saved before that increment) advances. The random states saved beside it are
+    those before the validation: its loaders draw from their own generator (FlowDataModule) and its steps draw
+    nothing."""
     state = copy.deepcopy(fit_loop)
     progress = state["epoch_loop.val_loop.batch_progress"]
     done = progress["total"]["completed"]

@@ -1,9 +1,11 @@
 """Preemption and signals: SIGTERM and SIGUSR1 stop training and pretraining after the step in progress with
 last.ckpt at that step, one line in run.log and a non-zero status (DataLoader workers that get the signal too
-included); under SLURM, Lightning's auto-requeue requeues the job and the requeued job resumes from that
-last.ckpt; task=infer stops after the pair in progress with complete files and a playable flow.mp4; Ctrl-C
-during a checkpoint write leaves no temporary file."""
+included); a run stopped during a validation (or killed after last.ckpt at that step) resumes by running that
+whole validation, then as the uninterrupted run; under SLURM, Lightning's auto-requeue requeues the job and
+the requeued job resumes from that last.ckpt; task=infer stops after the pair in progress with complete files
+and a playable flow.mp4; Ctrl-C during a checkpoint write leaves no temporary file."""
 
+import contextlib
 import csv
 import os
 import signal
@@ -12,13 +14,18 @@ import time
 from pathlib import Path
 
 import cv2
+import lightning as L
 import numpy as np
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import Dataset
 
+from flowformer.data.datamodules import FlowDataModule
 from flowformer.data.io import read_flo
-from flowformer.lit.checkpointing import LastCheckpoint, SafeCheckpointIO
+from flowformer.data.sampling import item_index
+from flowformer.lit.checkpointing import LastCheckpoint, RandomStates, SafeCheckpointIO, validation_restart
+from flowformer.lit.metrics_csv import SafeCSVLogger
 from flowformer.models import save_backbone
 from flowformer.tasks.preemption import Preemption
 
@@ -219,3 +226,181 @@ def test_ctrl_c_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == (["last.ckpt"] if earlier else [])
     if earlier:
         assert torch.load(target, weights_only=True) == {"global_step": 1}
+
+
+# A stop during a validation, in this process: a linear layer fitted to 32 points in batches of 4 (8 steps an
+# epoch) with noise drawn from the global torch stream, validated every 4 steps on 12 points (3 batches), so
+# step 4 is validated mid-epoch and step 8 at an epoch's end; with the callbacks, CSV logger and resumable
+# training data of a run of run.py.
+STEPS, VALIDATION_INTERVAL, VALIDATION_BATCHES = 12, 4, 3
+
+
+class NoisyLinear(LinearModule):
+    """LinearModule whose training points get noise from the global torch stream, validated on its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated: list[tuple[int, int]] = []  # (global step, batch index) of each validation step
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0] + 0.1 * torch.randn_like(batch[0])).pow(2).mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        if not self.trainer.sanity_checking:
+            self.validated.append((self.global_step, batch_idx))
+        self.log("val/loss", self.layer(batch[0]).pow(2).mean())
+
+
+class Points(Dataset):
+    """`count` random 2-vectors, by plain index or by the training sampler's SampleKey."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.points = torch.randn(count, 2, generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __getitem__(self, item):
+        return (self.points[item_index(item)],)
+
+
+class SignalInValidation(L.Callback):
+    """SIGTERM to this process when batch `batch` of the validation after `step` optimiser steps starts."""
+
+    def __init__(self, step: int, batch: int) -> None:
+        self.step, self.batch = step, batch
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking and trainer.global_step == self.step and batch_idx == self.batch:
+            self.stop()
+
+    def stop(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class CrashInValidation(SignalInValidation):
+    """A crash instead of the signal: the run ends as by `kill -9`, without a save."""
+
+    def stop(self) -> None:
+        raise RuntimeError("crashed")
+
+
+def fit_points(
+    run_dir: Path, *callbacks: L.Callback, module: NoisyLinear | None = None, every_n: int = 100, ckpt_path=None
+) -> NoisyLinear:
+    """Trains (or resumes) to STEPS with `callbacks` added, last.ckpt every `every_n` steps; a stop signal
+    ends it as it ends task=train (SIGTERMException once last.ckpt is written)."""
+    L.seed_everything(0)  # the datamodule keys its draws by the seed, as conf/config.yaml's
+    data = FlowDataModule(train=Points(32, seed=0), val={"points": Points(12, seed=1)}, batch_size=4, val_batch_size=4)
+    module = module or NoisyLinear()
+    trainer = cpu_trainer(
+        enable_checkpointing=True,
+        max_steps=STEPS,
+        val_check_interval=VALIDATION_INTERVAL,
+        log_every_n_steps=1,
+        logger=SafeCSVLogger(run_dir, name="csv", version=""),
+        callbacks=[LastCheckpoint(run_dir / "checkpoints", every_n), RandomStates(), Preemption(), *callbacks],
+        plugins=[SafeCheckpointIO()],
+    )
+    with contextlib.suppress(SIGTERMException):
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return module
+
+
+def logged(run_dir: Path) -> list[tuple[int, str, str]]:
+    """metrics.csv's rows as (step, train/loss, val/loss), in order."""
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return [(int(row["step"]), row["train/loss"], row["val/loss"]) for row in csv.DictReader(handle)]
+
+
+def last_checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def points_reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("points_uninterrupted")
+    fit_points(run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    ("stop", "every_n", "step"),
+    [
+        (SignalAtStep(step=7, signal_name="SIGTERM"), 100, 8),  # during step 8, which a validation follows
+        (SignalInValidation(step=8, batch=0), 100, 8),  # during that validation's first batch
+        (SignalInValidation(step=8, batch=VALIDATION_BATCHES - 1), 100, 8),  # its last: it ends, then the stop
+        (SignalInValidation(step=4, batch=1), 100, 4),  # a validation mid-epoch
+        (CrashInValidation(step=8, batch=1), 4, 8),  # killed: last.ckpt is the periodic one of step 8
+    ],
+    ids=["step-before", "first-batch", "last-batch", "mid-epoch", "crash"],
+)
+def test_a_run_stopped_during_validation_resumes_as_the_uninterrupted_one(
+    points_reference, tmp_path, stop, every_n, step
+):
+    """last.ckpt holds the step the validation followed; the resumed run runs that whole validation and goes
+    on as the uninterrupted run: the same rows of metrics.csv at the same logged steps, bitwise the same
+    weights."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    with contextlib.suppress(RuntimeError):
+        fit_points(first, stop, every_n=every_n)
+    assert last_checkpoint(first)["global_step"] == step
+
+    module = fit_points(resumed, ckpt_path=first / "checkpoints" / "last.ckpt")
+    assert module.validated[:VALIDATION_BATCHES] == [(step, batch) for batch in range(VALIDATION_BATCHES)]
+    # the validation after step N is logged at step N - 1 (Lightning's logged step advances after it)
+    expected = [row for row in logged(points_reference) if row[0] >= step or (row[0] == step - 1 and row[2])]
+    assert logged(resumed) == expected
+    final, reference = last_checkpoint(resumed), last_checkpoint(points_reference)
+    assert final["global_step"] == reference["global_step"] == STEPS
+    assert all(torch.equal(final["state_dict"][key], value) for key, value in reference["state_dict"].items())
+
+
+class SaveAt(L.Callback):
+    """Saves `path` at the end of training step `step`; notes the fit loop's state as its validation starts."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+        self.at_validation_start: dict | None = None
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and trainer.global_step == self.step:
+            self.at_validation_start = trainer.fit_loop.state_dict()
+
+
+class SaveInsideValidation(NoisyLinear):
+    """Saves `path` inside the first validation step after `step` optimiser steps."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        super().__init__()
+        self.path, self.step = path, step
+
+    def validation_step(self, batch, batch_idx):
+        if not self.trainer.sanity_checking and self.global_step == self.step and batch_idx == 0:
+            self.trainer.save_checkpoint(self.path)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_lightning_reruns_a_validation_saved_inside_its_first_batch_and_skips_one_saved_before_it(tmp_path):
+    """What LastCheckpoint builds on (validation_restart): a checkpoint Lightning saves inside a validation's
+    first step holds validation_restart(the fit loop's state as the validation started), and Lightning resumes
+    it by running every batch of that validation, then logs the next training step at the step the
+    uninterrupted run did; a checkpoint saved at the end of the training step before resumes without running
+    that validation at all."""
+    inside, before = tmp_path / "inside.ckpt", tmp_path / "before.ckpt"
+    save_at = SaveAt(before, step=4)
+    fit_points(tmp_path / "first", save_at, module=SaveInsideValidation(inside, step=4))
+    assert torch.load(inside, weights_only=True)["loops"]["fit_loop"] == validation_restart(save_at.at_validation_start)
+
+    from_inside = fit_points(tmp_path / "from_inside", ckpt_path=inside)
+    assert from_inside.validated[:4] == [(4, 0), (4, 1), (4, 2), (8, 0)]
+    assert [(step, bool(val)) for step, _, val in logged(tmp_path / "from_inside")[:2]] == [(3, True), (4, False)]
+    from_before = fit_points(tmp_path / "from_before", ckpt_path=before)
+    assert from_before.validated[0] == (8, 0)
+    assert logged(tmp_path / "from_before")[0][:2] == logged(tmp_path / "from_inside")[1][:2]
