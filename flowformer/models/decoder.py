@@ -1,6 +1,7 @@
-"""Recurrent cost-memory decoder: cost queries, GMA motion aggregation, SepConvGRU, convex upsampling (official
-`core/FlowFormer/LatentCostFormer/decoder.py`, `MemoryDecoder`), plus FlowFormer++'s reconstruction head
-(`PerCostFormer3/decoder.py`, `pretrain_head`). Official module names, so checkpoints load."""
+"""Recurrent cost-memory decoder: cost queries, GMA motion aggregation (optional, the official `gma`), SepConvGRU,
+convex upsampling (official `core/FlowFormer/LatentCostFormer/decoder.py`, `MemoryDecoder`), plus FlowFormer++'s
+reconstruction head (`PerCostFormer3/decoder.py`, `pretrain_head`). Official module names, so checkpoints load.
+The refinement loop (`RecurrentRefinement`) is shared with RAFT's decoder (flowformer/models/raft_decoder.py)."""
 
 from __future__ import annotations
 
