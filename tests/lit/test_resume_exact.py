@@ -1,7 +1,8 @@
 """A run killed after a checkpoint and resumed with ckpt_path= equals the run that was never interrupted:
 the same losses step by step and bitwise the same final weights (CPU, num_workers 0), for supervised training
-and MCVA pretraining, resumed mid-epoch and at an epoch's end. (A finished run continued to more steps is not
-the longer run: its OneCycle schedule was built for the shorter one.)"""
+and MCVA pretraining, resumed mid-epoch and at an epoch's end, and for the unsupervised baseline (model=unsup)
+stopped by SIGTERM mid-epoch. (A finished run continued to more steps is not the longer run: its OneCycle
+schedule was built for the shorter one.)"""
 
 import csv
 import signal
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowformer.tasks.preemption import StoppedBySignal
+from flowformer.tasks.train import fit
+
+from helpers.compose import compose_tiny_config
 from helpers.configs import REPO_DIR
 from helpers.run import run_py
 
@@ -108,14 +113,14 @@ def test_a_run_stopped_by_sigterm_resumes_as_the_uninterrupted_one(uninterrupted
     assert_continues(reference, resumed, 7)
 
 
-def assert_continues(reference: Path, resumed: Path, start: int) -> None:
+def assert_continues(reference: Path, resumed: Path, start: int, final_step: int = 10) -> None:
     """The run `resumed` from step `start` logged the losses of the `reference` run from there, bitwise, and
-    ended with its weights."""
+    ended at `final_step` with its weights."""
     expected, got = losses(reference), losses(resumed)
     assert sorted(got) == [step for step in sorted(expected) if step >= start]
     assert all(got[step] == expected[step] for step in got), (got, expected)
     final, reference_final = last(resumed), last(reference)
-    assert final["global_step"] == reference_final["global_step"] == 10
+    assert final["global_step"] == reference_final["global_step"] == final_step
     # the data position written at the end of training agrees with Lightning's loop: stopping at max_steps
     # ends the epoch, so a resume would start the next one
     data_state = next(value for key, value in final.items() if key.endswith("DataModule"))
@@ -123,3 +128,44 @@ def assert_continues(reference: Path, resumed: Path, start: int) -> None:
     assert final["state_dict"].keys() == reference_final["state_dict"].keys()
     for key, value in reference_final["state_dict"].items():
         assert torch.equal(final["state_dict"][key], value), key
+
+
+# The unsupervised baseline in this process (no run.py start), as small as a step gets: 3 pairs of 32x48 in
+# batches of 1, 3 steps an epoch, so 4 steps cross an epoch boundary.
+UNSUP = (
+    "experiment=unsup_pretrain",
+    "data=synthetic_video",
+    "data.train.size=[32,48]",
+    "data.train.num_samples=3",
+    "data.batch_size=1",
+    "trainer=cpu",
+    "model.train_iters=1",
+    "trainer.max_steps=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks.progress_bar=null",
+)
+
+
+def unsup_run(run_dir: Path, *overrides: str) -> None:
+    """task=pretrain of UNSUP with the tiny backbone in this process, its run directory `run_dir`."""
+    cfg = compose_tiny_config(*UNSUP, f"paths.root_dir={run_dir.parent}", f"paths.output_dir={run_dir}", *overrides)
+    fit(cfg)
+
+
+def test_unsupervised_pretraining_stopped_by_sigterm_resumes_as_the_uninterrupted_run(tmp_path):
+    """Stopped during step 2 (mid-epoch, no periodic save before), resumed to step 4 across the epoch's end."""
+    reference, first, resumed = tmp_path / "reference", tmp_path / "first", tmp_path / "resumed"
+    unsup_run(reference)
+    stop = [
+        "+callbacks.stop._target_=helpers.faults.SignalAtStep",
+        "+callbacks.stop.step=1",
+        "+callbacks.stop.signal_name=SIGTERM",
+    ]
+    with pytest.raises(StoppedBySignal):
+        unsup_run(first, "callbacks.last_checkpoint.every_n_train_steps=100", *stop)
+    assert last(first)["global_step"] == 2
+
+    unsup_run(resumed, f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    assert_continues(reference, resumed, 2, final_step=4)
