@@ -31,7 +31,7 @@ from flowformer.tasks.sweeps import in_multirun, record_failed_job
 
 log = logging.getLogger(__name__)
 
-TASKS = ("train", "pretrain", "eval", "infer", "bench", "convert", "pipeline", "quickstart")
+TASKS = ("train", "pretrain", "eval", "infer", "bench", "convert", "pipeline", "report", "quickstart")
 
 # Errors caused by inputs or settings rather than by bugs: reported without a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (

@@ -1,0 +1,459 @@
+"""task=report: the jobs of a multirun (or one run) as one table, beside the paper's numbers.
+
+    python run.py -m task=pipeline protocol=paper_ablation sweep=paper_pe     # train the table's rows
+    python run.py task=report report.runs=logs/pipeline/paper_pe/multiruns/<time>
+    python run.py task=report report.runs=<run dir> report.table=paper_pe     # conf/paper/paper_pe.yaml
+
+`report.runs` is a multirun's directory (each `<n>_<overrides>/` folder is a job; `failed_jobs.jsonl` names
+the failed ones, also those that left no folder) or one run's directory. Of each job it reads:
+
+- the overrides it was started with (`.hydra/overrides.yaml`), the sweep it belongs to (`.hydra/hydra.yaml`);
+- a pipeline (task=pipeline) from `pipeline.json`: its status, its row's overrides, its stages' wall time and
+  directories, and its evaluations' `eval_results.json` (the first evaluation's metrics are `<set>/<metric>`,
+  another's `<label>:<set>/<metric>`); any other run from its own `eval_results.json`, or else the last
+  validation values of its `csv/metrics.csv` (`val/<set>/<metric>` -> `<set>/<metric>`);
+- the network's parameter count from `run_info.json` (the last stage's in a pipeline);
+- every `val/<set>/epe` of the `csv/metrics.csv` files against the training step, for `report.png`.
+
+A job is `done`, `failed` (in failed_jobs.jsonl, or its pipeline failed; its error line is kept), `stopped`
+(a pipeline stopped by a signal) or `running` (no results yet: running, or killed without a record).
+
+The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
+`conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
+when every override of the row is one of the job's (a pipeline: its row; else its command line), with the same
+value (`0.5` = `0.50`; `${paths.root_dir}` in a row is the job's repository). Beside each value the row's
+published number and the difference (measured - published); beside the parameter count the paper's.
+
+Writes, into `report.output_dir` (default: `report.runs`), `report.md` (the table's title and caption, then
+one row per job named by the overrides that tell the jobs apart), `report.csv` (the same, one column per
+value) and `report.png` (validation EPE against step, one panel per stage and set, one curve per job: the
+paper's "AEPE vs training steps" figure for a run of FlowFormer and FlowFormer+MCVA). These three are the
+report's own and are rewritten at every report. With `logger=wandb` the table is also logged as a wandb Table,
+and the figure as an image, in a run of job type `report` grouped with the jobs (the table, else `name`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import track
+
+from flowformer.models.output_files import atomic_write, atomic_write_text
+from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.sweeps import failed_jobs
+
+log = logging.getLogger(__name__)
+
+PIPELINE_RECORD = "pipeline.json"  # flowformer/tasks/pipeline.py writes it
+# The paper's names of the metrics its tables report (KITTI-15 F1-epe is the per-image EPE, F1-all in %).
+PAPER_COLUMNS = {
+    "sintel_clean/epe": "Sintel clean",
+    "sintel_final/epe": "Sintel final",
+    "kitti/epe": "KITTI-15 F1-epe",
+    "kitti/f1_all": "KITTI-15 F1-all",
+}
+PARAMS_KEY = "params_m"  # a published row's parameter count, in millions
+
+
+@dataclass
+class Job:
+    """What the report knows of one job of the multirun."""
+
+    name: str  # its directory's name, or #<job number> when it left none
+    directory: Path | None
+    overrides: list[str]  # its command line (.hydra/overrides.yaml, or the failed-job record)
+    row: list[str]  # the overrides that make it: a pipeline's row, else its command line
+    status: str = "running"
+    error: str | None = None
+    results: dict[str, float] = field(default_factory=dict)  # "<set>/<metric>" -> value
+    parameters: int | None = None
+    train_s: float | None = None
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # panel -> [(step, epe)]
+    sweep: str | None = None  # the sweep config it ran under (names the paper's table)
+    root_dir: str | None = None  # the repository it ran from
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it is missing or only partly written (a job still running)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def job_number(folder: Path) -> int:
+    """A multirun job folder's number (`<n>_<overrides>`), -1 for another name."""
+    head = folder.name.partition("_")[0]
+    return int(head) if head.isdigit() else -1
+
+
+def job_directories(runs: Path) -> list[Path]:
+    """The job folders of a multirun directory in job order, or the run directory itself."""
+    if (runs / ".hydra").is_dir():
+        return [runs]
+    jobs = [path for path in runs.iterdir() if (path / ".hydra" / "overrides.yaml").is_file()]
+    return sorted(jobs, key=lambda path: (job_number(path), path.name))
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv (SafeCSVLogger: one column per logged name, empty where not logged)."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def validation_curves(rows: list[dict[str, str]], panel_prefix: str) -> dict[str, list[tuple[int, float]]]:
+    """Every `val/<set>/epe` column against the step: {"<prefix>val/<set>/epe": [(step, value), ...]}."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for column, value in row.items():
+            if column.startswith("val/") and column.endswith("/epe") and value not in ("", None):
+                curves.setdefault(panel_prefix + column, []).append((int(float(row["step"])), float(value)))
+    return curves
+
+
+def last_validation(rows: list[dict[str, str]]) -> dict[str, float]:
+    """The last logged value of every `val/<set>/<metric>`, as `<set>/<metric>`."""
+    values: dict[str, float] = {}
+    for row in rows:
+        for column, value in row.items():
+            if column.startswith("val/") and value not in ("", None):
+                values[column.removeprefix("val/")] = float(value)
+    return values
+
+
+def parameter_count(run_dir: Path) -> int | None:
+    """The network's parameter count its run_info.json records (written at the start of a training run)."""
+    info = read_json(run_dir / "run_info.json")
+    return ((info or {}).get("parameters") or {}).get("total")
+
+
+def moved(path: str | None, recorded_dir: str | None, job_dir: Path) -> Path | None:
+    """A path pipeline.json records, in this job's folder wherever the folder is now (a copied multirun)."""
+    if not path:
+        return None
+    recorded = Path(path)
+    if recorded.exists() or recorded_dir is None or not recorded.is_relative_to(recorded_dir):
+        return recorded
+    return job_dir / recorded.relative_to(recorded_dir)
+
+
+def read_pipeline(job: Job, record: dict[str, Any]) -> None:
+    """Status, row, errors, wall time, evaluation results, parameter count and curves of a pipeline job."""
+    job.status = record.get("status", "running")
+    job.row = [str(override) for override in record.get("row", job.overrides)]
+    stages, evaluations = record.get("stages", []), record.get("evaluations", [])
+    job.error = next((entry["error"] for entry in [*stages, *evaluations] if entry.get("error")), None)
+    walls = [stage["wall_s"] for stage in stages if stage.get("wall_s") is not None]
+    job.train_s = sum(walls) if walls else None
+    for index, evaluation in enumerate(evaluations):
+        results_json = moved(evaluation.get("results_json"), record.get("run_dir"), job.directory)
+        results = read_json(results_json) if evaluation.get("status") == "done" and results_json else None
+        prefix = "" if index == 0 else f"{evaluation['label']}:"
+        for set_name, values in ((results or {}).get("results") or {}).items():
+            job.results.update({f"{prefix}{set_name}/{metric}": value for metric, value in values.items()})
+    for stage in stages:
+        stage_dir = moved(stage.get("dir"), record.get("run_dir"), job.directory)
+        if stage_dir is None:
+            continue
+        job.parameters = parameter_count(stage_dir) or job.parameters  # the last stage's network
+        rows = read_metrics(stage_dir / "csv" / "metrics.csv")
+        job.curves.update(validation_curves(rows, f"{stage['name']}: "))
+
+
+def training_finished(run_dir: Path, rows: list[dict[str, str]]) -> bool:
+    """A training run reached trainer.max_steps: last.ckpt is written and its metrics reach the last step."""
+    config = run_dir / "config_resolved.yaml"
+    if not (run_dir / "checkpoints" / "last.ckpt").is_file() or not config.is_file() or not rows:
+        return False
+    max_steps = (yaml.safe_load(config.read_text()).get("trainer") or {}).get("max_steps")
+    last_step = max(int(float(row["step"])) for row in rows if row.get("step"))
+    return max_steps is not None and last_step + 1 >= max_steps
+
+
+def read_run(job: Job, run_dir: Path) -> None:
+    """Status, results, parameter count, training time and curves of any other run (task=train, pretrain,
+    eval): its eval_results.json, else the last validation values of its metrics.csv."""
+    rows = read_metrics(run_dir / "csv" / "metrics.csv")
+    evaluation = read_json(run_dir / "eval_results.json")
+    if evaluation is not None:
+        sets = evaluation["results"].items()
+        job.results = {f"{name}/{metric}": value for name, values in sets for metric, value in values.items()}
+        job.status = "done"
+    else:
+        job.results = last_validation(rows)
+        job.status = "done" if training_finished(run_dir, rows) else "running"
+    job.parameters = parameter_count(run_dir)
+    checkpoint, info = run_dir / "checkpoints" / "last.ckpt", run_dir / "run_info.json"
+    if checkpoint.is_file() and info.is_file():  # run_info.json is written as training starts
+        job.train_s = checkpoint.stat().st_mtime - info.stat().st_mtime
+    job.curves = validation_curves(rows, "")
+
+
+def read_job(job_dir: Path) -> Job:
+    """A job folder: its overrides, sweep and repository (.hydra/), then its pipeline record or run files."""
+    overrides = [str(item) for item in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text())]
+    hydra_yaml = job_dir / ".hydra" / "hydra.yaml"
+    runtime = (yaml.safe_load(hydra_yaml.read_text())["hydra"]["runtime"]) if hydra_yaml.is_file() else {}
+    job = Job(
+        name=job_dir.name,
+        directory=job_dir,
+        overrides=overrides,
+        row=overrides,
+        sweep=(runtime.get("choices") or {}).get("sweep"),
+        root_dir=runtime.get("cwd"),
+    )
+    record = read_json(job_dir / PIPELINE_RECORD)
+    if record is not None:
+        read_pipeline(job, record)
+    else:
+        read_run(job, job_dir)
+    return job
+
+
+def read_jobs(runs: Path) -> list[Job]:
+    """Every job of `runs`, with a progress bar over the folders read; failed jobs (failed_jobs.jsonl) are
+    marked so, and those that left no folder are listed from their record."""
+    folders = job_directories(runs)
+    console = Console(stderr=True)
+    jobs = [read_job(folder) for folder in track(folders, "reading jobs", console=console, transient=True)]
+    by_name = {job.name: job for job in jobs}
+    for record in failed_jobs(runs):
+        job = by_name.get(Path(record["dir"]).name) if record.get("dir") else None
+        if job is None:
+            overrides = [str(override) for override in record["overrides"]]
+            job = Job(name=f"#{record['job']}", directory=None, overrides=overrides, row=overrides)
+            jobs.append(job)
+        job.status, job.error = "failed", record["error"]
+    return jobs
+
+
+def load_table(tables_dir: Path, name: str, explicit: bool) -> dict[str, Any] | None:
+    """conf/paper/<name>.yaml; a sweep without a paper table gives None, a report.table that names none an
+    error listing the tables."""
+    path = tables_dir / f"{name}.yaml"
+    if not path.is_file():
+        if not explicit:
+            return None
+        known = sorted(table.stem for table in tables_dir.glob("*.yaml"))
+        raise FileNotFoundError(f"report.table={name}: no {path}; the paper's tables are {known}")
+    table = yaml.safe_load(path.read_text())
+    if not isinstance(table, dict) or not isinstance(table.get("rows"), dict):
+        raise TypeError(f"{path}: expected a mapping with 'rows' (name -> overrides, published); fix it")
+    return {"name": name, **table}
+
+
+def override_values(overrides: Iterable[str]) -> dict[str, Any]:
+    """{key or group: value} of overrides, `+`/`++` dropped, values typed as Hydra parses them (0.5 = 0.5)."""
+    parsed = OverridesParser.create().parse_overrides([str(override) for override in overrides])
+    return {override.key_or_group: override.value() for override in parsed}
+
+
+def row_values(row: dict[str, Any], root_dir: str | None) -> dict[str, Any]:
+    """A table row's overrides as values, `${paths.root_dir}` being the job's repository."""
+    resolved = OmegaConf.create({"paths": {"root_dir": root_dir or "."}, "overrides": list(row["overrides"])})
+    return override_values(OmegaConf.to_container(resolved, resolve=True)["overrides"])
+
+
+def match_row(table: dict[str, Any], job: Job) -> dict[str, Any] | None:
+    """The row of `table` whose every override is one of the job's (a pipeline's row, else its command
+    line)."""
+    values = override_values(job.row)
+    for row in table["rows"].values():
+        wanted = row_values(row, job.root_dir)
+        if all(key in values and values[key] == value for key, value in wanted.items()):
+            return row
+    return None
+
+
+def job_names(jobs: list[Job]) -> dict[str, str]:
+    """Each job's name: the overrides of its command line that not every job shares, else its folder."""
+    names = {}
+    for job in jobs:
+        differing = [override for override in job.overrides if not all(override in o.overrides for o in jobs)]
+        names[job.name] = ",".join(differing) or job.name
+    return names
+
+
+def value_columns(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable[str]) -> list[str]:
+    """The table's published columns first, then each measured `<set>/<metric>` with a metric of `metrics`."""
+    columns = [
+        column
+        for row in (table or {}).get("rows", {}).values()
+        for column in row.get("published", {})
+        if column != PARAMS_KEY
+    ]
+    measured = {column for job in jobs for column in job.results if column.rsplit("/", 1)[-1] in set(metrics)}
+    return list(dict.fromkeys([*columns, *sorted(measured)]))
+
+
+def difference(value: float | None, published: float | None) -> float | None:
+    return None if value is None or published is None or math.isnan(value) else value - published
+
+
+def report_rows(jobs: list[Job], table: dict[str, Any] | None, columns: list[str]) -> list[dict[str, Any]]:
+    """One dict per job: name, status, paper row, each column's value / published / difference, parameter
+    counts (millions), training seconds, error."""
+    names = job_names(jobs)
+    rows = []
+    for job in jobs:
+        paper = (match_row(table, job) if table else None) or {}
+        published = paper.get("published") or {}
+        row: dict[str, Any] = {"job": names[job.name], "status": job.status, "paper_row": paper.get("label")}
+        for column in columns:
+            value = job.results.get(column)
+            row[column] = value
+            row[f"{column} paper"] = published.get(column)
+            row[f"{column} diff"] = difference(value, published.get(column))
+        row["params_m"] = None if job.parameters is None else job.parameters / 1e6
+        row["params_m paper"] = published.get(PARAMS_KEY)
+        row["train_s"] = job.train_s
+        row["error"] = job.error
+        rows.append(row)
+    return rows
+
+
+def status_counts(rows: list[dict[str, Any]]) -> str:
+    """'2 done, 1 failed': how many jobs have each status, in the order the statuses first come."""
+    statuses = dict.fromkeys(row["status"] for row in rows)
+    return ", ".join(f"{sum(row['status'] == status for row in rows)} {status}" for status in statuses)
+
+
+def cell(value: float | None, published: float | None, diff: float | None) -> str:
+    """`measured / published (difference)`, as much of it as is known."""
+    text = "" if value is None else f"{value:.2f}"
+    if published is not None:
+        text += f" / {published:.2f}" + ("" if diff is None else f" ({diff:+.2f})")
+    return text
+
+
+def markdown(title: str, table: dict[str, Any] | None, columns: list[str], rows: list[dict[str, Any]]) -> str:
+    """report.md: what was compared, then one line per job, then the failed jobs' errors."""
+    lines = [f"# {title}", "", f"{len(rows)} jobs: {status_counts(rows)}", ""]
+    if table is not None:
+        caption = table["caption"].strip()
+        lines += [f"Paper: {table['title']} (conf/paper/{table['name']}.yaml). {caption}", ""]
+        lines += [f"The paper's training: {table['training']}.", ""]
+    lines += ["Each value: measured / the paper's (measured - paper's).", ""]
+    headers = ["job", "status", "paper row", *(PAPER_COLUMNS.get(c, c) for c in columns)]
+    headers += ["params (M)", "train h:mm:ss"]
+    lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        cells = [row["job"], row["status"], row["paper_row"] or ""]
+        cells += [cell(row[c], row[f"{c} paper"], row[f"{c} diff"]) for c in columns]
+        params, paper_params = row["params_m"], row["params_m paper"]
+        params = cell(params, paper_params, difference(params, paper_params))
+        train = "" if row["train_s"] is None else str(timedelta(seconds=round(row["train_s"])))
+        lines.append("| " + " | ".join([*cells, params, train]) + " |")
+    errors = [f"- {row['job']}: {row['error']}" for row in rows if row["error"]]
+    if errors:
+        lines += ["", "Errors:", "", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    """report.csv: one line per job, one column per value (empty where unknown)."""
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else ["job"])
+    writer.writeheader()
+    writer.writerows({key: "" if value is None else value for key, value in row.items()} for row in rows)
+    return text.getvalue()
+
+
+def write_curves(path: Path, jobs: list[Job], names: dict[str, str]) -> bool:
+    """report.png: one panel per logged validation EPE (per stage of a pipeline), one curve per job; False
+    when no job logged one."""
+    panels = sorted({panel for job in jobs for panel in job.curves})
+    if not panels:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, panel in zip(axes[0], panels, strict=True):
+        for job in jobs:
+            points = sorted(job.curves.get(panel, []))
+            if points:
+                axis.plot(*zip(*points, strict=True), marker=".", label=names[job.name])
+        axis.set(title=panel, xlabel="training step", ylabel="validation EPE")
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    with atomic_write(path) as file:
+        figure.savefig(file, format="png", dpi=100)
+    plt.close(figure)
+    return True
+
+
+def log_to_wandb(cfg: DictConfig, group: str, rows: list[dict[str, Any]], figure: Path | None) -> None:
+    """With logger=wandb (or many): the report as a wandb Table (and the figure) in a run of job type
+    report."""
+    loggers = (cfg.get("logger") or {}).values()
+    settings = next((entry for entry in loggers if entry and "Wandb" in str(entry.get("_target_"))), None)
+    if settings is None or not rows:
+        return
+    import wandb
+
+    run = wandb.init(
+        project=settings.project,
+        entity=settings.entity,
+        group=group,
+        job_type="report",
+        tags=list(settings.tags or []),
+        dir=str(settings.save_dir),
+        mode="offline" if settings.offline else None,
+    )
+    table = wandb.Table(columns=list(rows[0]), data=[list(row.values()) for row in rows])
+    payload: dict[str, Any] = {"report": table}
+    if figure is not None:
+        payload["validation_epe"] = wandb.Image(str(figure))
+    run.log(payload)
+    run.finish()
+
+
+def run(cfg: DictConfig) -> None:
+    settings = cfg.report
+    if not settings.get("runs"):
+        raise ValueError(
+            "report.runs is not set: give a multirun's directory (logs/<task>/<name>/multiruns/<time>) or a "
+            "run's"
+        )
+    runs = Path(settings.runs)
+    if not runs.is_dir():
+        raise FileNotFoundError(f"report.runs={runs} is not a directory: give a multirun's or a run's")
+    output_dir = ensure_writable_dir(settings.output_dir or runs, "report.output_dir")
+    jobs = read_jobs(runs)
+    if not jobs:
+        raise ValueError(
+            f"report.runs={runs} holds no job: expected a multirun's <n>_<overrides>/ folders or a run's "
+            "directory, "
+            "each with its .hydra/ folder"
+        )
+    name = settings.get("table") or next((job.sweep for job in jobs if job.sweep), None)
+    explicit = bool(settings.get("table"))
+    table = load_table(Path(settings.tables_dir), name, explicit) if name else None
+    columns = value_columns(jobs, table, settings.metrics)
+    rows = report_rows(jobs, table, columns)
+    atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, columns, rows))
+    atomic_write_text(output_dir / "report.csv", csv_text(rows))
+    figure = output_dir / "report.png"
+    if not write_curves(figure, jobs, job_names(jobs)):
+        log.warning("no job logged a validation EPE: no report.png")
+        figure = None
+    print(f"report: {len(rows)} jobs ({status_counts(rows)}) -> {output_dir}/report.md, .csv and .png")
+    log_to_wandb(cfg, table["name"] if table else str(cfg.name), rows, figure)
