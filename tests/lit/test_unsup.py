@@ -10,6 +10,7 @@ import hydra
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from flowformer.lit.checkpointing import check_resume_checkpoint
 from flowformer.lit.flow import FlowModule
@@ -23,7 +24,7 @@ from flowformer.unsupervised_loss import (
     visible_pixels,
 )
 
-from helpers.compose import compose_tiny_config
+from helpers.compose import compose_run_config, compose_tiny_config
 from helpers.configs import backbone_config, flow_settings, model_settings
 from helpers.run import run_py
 
@@ -285,3 +286,17 @@ def test_a_tiny_unsup_pretrain_run_initialises_finetuning(tmp_path):
     state = finetune.backbone.state_dict()
     assert state.keys() == weights.keys()
     assert all(torch.equal(state[key], weights[key]) for key in weights)
+
+
+def test_unsup_pretrain_is_mcva_pretrain_with_another_objective():
+    """The paper's comparison: `experiment=mcva_pretrain` and `experiment=unsup_pretrain` pretrain the same
+    network on the same data for the same steps (backbone.activation_checkpoint trades memory, not numbers)."""
+    mcva, unsup = (compose_run_config([f"experiment={name}"]) for name in ("mcva_pretrain", "unsup_pretrain"))
+    assert unsup.model._target_ == "flowformer.lit.unsup.UnsupervisedPretrainModule"
+    assert (unsup.task, unsup.name) == ("pretrain", "unsup_pretrain")
+    for group in ("data", "trainer", "callbacks"):
+        assert unsup[group] == mcva[group], group
+    backbones = [OmegaConf.to_container(cfg.backbone, resolve=True) for cfg in (mcva, unsup)]
+    for backbone in backbones:
+        del backbone["activation_checkpoint"]
+    assert backbones[0] == backbones[1]
