@@ -1,4 +1,5 @@
-"""task=pretrain: MCVA pretraining (model=mcva, data=synthetic_video | youtube_vos | video_folder).
+"""task=pretrain: MCVA pretraining (model=mcva) or the unsupervised baseline (model=unsup) on unlabeled video
+(data=synthetic_video | youtube_vos | video_folder).
 
 The same Lightning loop as task=train; only the LightningModule and the data differ.
 """
