@@ -18,6 +18,7 @@ from flowformer.lit.unsup import UnsupervisedPretrainModule
 from flowformer.unsupervised_loss import (
     UnsupervisedLossSettings,
     backward_warp,
+    census_transform,
     edge_aware_smoothness,
     photometric_maps,
     unsupervised_loss,
@@ -115,6 +116,30 @@ def test_the_smoothness_is_the_edge_weighted_derivative_of_the_flow(order):
     expected = torch.cat(penalties).mean()
     got = edge_aware_smoothness(flow, image, order=order, edge_constant=edge_constant)
     torch.testing.assert_close(got, expected)
+
+
+def test_the_census_transform_is_the_soft_sign_of_each_neighbours_difference_in_grey():
+    image = torch.rand(1, 3, 9, 10, generator=torch.Generator().manual_seed(5))
+    transform = census_transform(image)  # [1, 49, 9, 10]
+    grey = (0.299 * image[0, 0] + 0.587 * image[0, 1] + 0.114 * image[0, 2]) * 255  # ITU-R 601, kornia's weights
+    y, x = 4, 5  # the 7x7 window fits
+    neighbours = grey[y - 3 : y + 4, x - 3 : x + 4].reshape(-1)  # row-major, as the 49 channels
+    difference = neighbours - grey[y, x]
+    torch.testing.assert_close(transform[0, :, y, x], difference / torch.sqrt(0.81 + difference**2))
+
+
+def test_the_loss_is_fp32_under_bf16_autocast():
+    """Lightning's bf16-mixed runs the training step under autocast: the loss of bf16 flows is computed in fp32,
+    as the same flows in fp32 give it."""
+    image1, image2, flow = known_pair()
+    first, second = torch.cat([image1, image2]), torch.cat([image2, image1])
+    flows = [torch.cat([flow, -flow]) + 0.3 * torch.rand(2, 2, *flow.shape[-2:])]
+    as_bf16 = [flow.to(torch.bfloat16) for flow in flows]
+    expected = unsupervised_loss([flow.float() for flow in as_bf16], first, second, loss_settings())[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = unsupervised_loss(as_bf16, first, second, loss_settings())[0]
+    assert loss.dtype == torch.float32
+    assert torch.equal(loss, expected)
 
 
 # ---- the loss on a pair with known flow --------------------------------------------------------------------
