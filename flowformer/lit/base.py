@@ -1,12 +1,14 @@
 """What every LightningModule training the shared FlowFormer backbone has in common: the backbone built from
 its config, the constructor arguments saved once as plain hyperparameters, the finite checks, and the
 optimiser and LR schedule of `model.optimizer` / `model.scheduler` (Hydra partials; the official AdamW +
-linear OneCycle are conf/model/optimizer/adamw.yaml and conf/model/scheduler/onecycle.yaml)."""
+linear OneCycle are conf/model/optimizer/adamw.yaml and conf/model/scheduler/onecycle.yaml), and the mapping
+of the hyper-parameters checkpoints held before those partials (`current_hyperparameters`)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -16,10 +18,34 @@ from lightning.pytorch.utilities.parsing import collect_init_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 
-from flowformer.models.checkpoint import BackboneTargetError, backbone_builder
+from flowformer.models.checkpoint import BackboneTargetError, backbone_builder, read_checkpoint
 
 # The official loops build OneCycleLR(total_steps=num_steps + 100): the schedule outlasts the run by 100.
 SCHEDULE_STEPS_AFTER_MAX_STEPS = 100
+
+# Checkpoints written before model.optimizer / model.scheduler hold four top-level hyper-parameters instead of
+# those partials; the module then always trained with the official AdamW and linear OneCycle, so each former
+# name is one key of today's partials (conf/model/optimizer/adamw.yaml, conf/model/scheduler/onecycle.yaml):
+#   lr -> optimizer.lr (and scheduler.max_lr, the peak), weight_decay -> optimizer.weight_decay,
+#   total_steps -> scheduler.total_steps, pct_start -> scheduler.pct_start.
+FORMER_HYPERPARAMETERS: dict[str, tuple[str, str]] = {
+    "lr": ("optimizer", "lr"),
+    "weight_decay": ("optimizer", "weight_decay"),
+    "total_steps": ("scheduler", "total_steps"),
+    "pct_start": ("scheduler", "pct_start"),
+}
+# The rest of what the module built around them then (fixed in its code: the official fetch_optimizer's).
+FORMER_PARTIALS: dict[str, dict[str, Any]] = {
+    "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "eps": 1e-8},
+    "scheduler": {
+        "_target_": "torch.optim.lr_scheduler.OneCycleLR",
+        "_partial_": True,
+        "cycle_momentum": False,
+        "anneal_strategy": "linear",
+    },
+}
+# load_from_checkpoint's own arguments (Lightning's); its other keyword arguments are hyper-parameters.
+LOAD_ARGUMENTS = ("map_location", "hparams_file", "strict", "weights_only")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -65,6 +91,32 @@ def plain_value(value: Any) -> Any:
     return value
 
 
+def current_hyperparameters(hparams: Mapping[str, Any], source: str, advice: str) -> dict[str, Any]:
+    """A checkpoint's hyper-parameters by today's names: the former lr, weight_decay, total_steps and
+    pct_start become the `optimizer` and `scheduler` partials they meant (FORMER_HYPERPARAMETERS,
+    FORMER_PARTIALS); without former names, as they are. Some of the former names only, or former names
+    beside `optimizer` / `scheduler`, cannot be mapped: one ValueError naming `source` and what was found,
+    ending with `advice`."""
+    former = [name for name in FORMER_HYPERPARAMETERS if name in hparams]
+    if not former:
+        return dict(hparams)
+    missing = [name for name in FORMER_HYPERPARAMETERS if name not in hparams]
+    current = [name for name in FORMER_PARTIALS if name in hparams]
+    if missing or current:
+        found = f"without {', '.join(missing)}" if missing else f"beside {' and '.join(current)}"
+        raise ValueError(
+            f"{source}: its hyper-parameters hold {', '.join(former)} {found}, so they cannot be mapped to "
+            f"model.optimizer / model.scheduler (a checkpoint from before them holds all of "
+            f"{', '.join(FORMER_HYPERPARAMETERS)} and neither partial); {advice}"
+        )
+    mapped = {name: value for name, value in hparams.items() if name not in FORMER_HYPERPARAMETERS}
+    mapped |= {group: dict(partial) for group, partial in FORMER_PARTIALS.items()}
+    for name, (group, key) in FORMER_HYPERPARAMETERS.items():
+        mapped[group][key] = hparams[name]
+    mapped["scheduler"]["max_lr"] = hparams["lr"]
+    return mapped
+
+
 def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Any:
     """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too."""
     if not config.get("_partial_"):
@@ -107,11 +159,48 @@ class BackboneModule(L.LightningModule):
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's loader, with a refused backbone `_target_` (`build_backbone`) naming the checkpoint."""
+        """Lightning's loader, also for checkpoints written before model.optimizer / model.scheduler: their
+        former settings are passed as the partials they mean (`current_hyperparameters`). Keyword arguments
+        other than Lightning's own (LOAD_ARGUMENTS) replace stored hyper-parameters, as in Lightning. A
+        checkpoint whose hyper-parameters cannot be mapped or lack a constructor argument, and a refused
+        backbone `_target_` (`build_backbone`), are one error naming the checkpoint. A file object, or
+        hyper-parameters from `hparams_file`, go to Lightning as they are."""
+        load_arguments = dict(zip(LOAD_ARGUMENTS, args))
+        load_arguments |= {name: value for name, value in kwargs.items() if name in LOAD_ARGUMENTS}
+        settings = {name: value for name, value in kwargs.items() if name not in LOAD_ARGUMENTS}
+        if isinstance(checkpoint_path, (str, Path)) and load_arguments.get("hparams_file") is None:
+            settings = cls._checkpoint_settings(checkpoint_path, settings)
         try:
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+            return super().load_from_checkpoint(checkpoint_path, **load_arguments, **settings)
         except BackboneTargetError as error:
             raise BackboneTargetError(f"checkpoint {checkpoint_path}: {error}") from None
+
+    @classmethod
+    def _checkpoint_settings(cls, path: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
+        """`settings` with the checkpoint's optimizer and scheduler partials by today's names; refuses (one
+        line) hyper-parameters that cannot be mapped or lack a constructor argument of this module."""
+        stored = read_checkpoint(path).get("hyper_parameters") or {}
+        advice = (
+            "pass optimizer=... and scheduler=... (conf/model/optimizer/, conf/model/scheduler/) to "
+            "load_from_checkpoint, or load only its weights (flowformer.models.load_backbone_weights, "
+            "model.init_from)"
+        )
+        hparams = {**stored, **settings}
+        if not FORMER_PARTIALS.keys() <= settings.keys():  # partials passed here replace the stored settings
+            hparams = current_hyperparameters(hparams, f"checkpoint {path}", advice)
+        required = [
+            name
+            for name, parameter in inspect.signature(cls.__init__).parameters.items()
+            if parameter.kind is parameter.KEYWORD_ONLY and parameter.default is parameter.empty
+        ]
+        missing = [name for name in required if name not in hparams]
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} lacks the hyper-parameters {', '.join(missing)} that {cls.__name__} "
+                "takes (saved by another module or version?): pass them to load_from_checkpoint as keyword "
+                "arguments"
+            )
+        return settings | {group: hparams[group] for group in FORMER_PARTIALS}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]

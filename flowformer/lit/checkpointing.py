@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from flowformer.lit.base import BackboneModule
+from flowformer.lit.base import FORMER_HYPERPARAMETERS, BackboneModule
 from flowformer.lit.flow import FlowModule
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.lit.unsup import UnsupervisedPretrainModule
@@ -135,7 +135,8 @@ class LastCheckpoint(Checkpoint):
             return
         self._loops_to_save = before[1] if before is not None and before_validation else None
         try:
-            trainer.save_checkpoint(self.path, weights_only=False)  # the whole state: optimiser, schedulers, loops
+            # the whole state: optimiser, schedulers, loops
+            trainer.save_checkpoint(self.path, weights_only=False)
         finally:
             self._loops_to_save = None
         self._saved = (step, before_validation)
@@ -161,13 +162,6 @@ def validation_restart(fit_loop: dict) -> dict:
 
 # The kinds of module a training checkpoint comes from (their own hyper-parameters tell them apart).
 TRAINING_MODULES: tuple[type[BackboneModule], ...] = (FlowModule, MCVAPretrainModule, UnsupervisedPretrainModule)
-# Hyper-parameters of checkpoints written before model.optimizer / model.scheduler, by their setting now.
-FORMER_HYPERPARAMETERS = {
-    "lr": "optimizer.lr",
-    "weight_decay": "optimizer.weight_decay",
-    "total_steps": "scheduler.total_steps",
-    "pct_start": "scheduler.pct_start",
-}
 # Settings only a run that starts afresh reads (a resumed run takes the weights from its checkpoint).
 FRESH_START_SETTINGS = ("init_from", "skip_init_prefixes")
 
@@ -257,12 +251,13 @@ def changed_settings(checkpoint: dict, module: BackboneModule) -> list[str]:
 
 
 def config_keys(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """A module's hyper-parameters by their config keys (backbone.<knob>, model.<setting>), nested ones
-    flattened."""
+    """A module's hyper-parameters by their config keys (backbone.<knob>, model.<setting>; a former name by
+    the setting it is now, FORMER_HYPERPARAMETERS), nested ones flattened."""
     keys: dict[str, Any] = {}
     for name, value in hparams.items():
         if name not in FRESH_START_SETTINGS:
-            key = "backbone" if name == "backbone" else f"model.{FORMER_HYPERPARAMETERS.get(name, name)}"
+            setting = ".".join(FORMER_HYPERPARAMETERS.get(name, (name,)))
+            key = "backbone" if name == "backbone" else f"model.{setting}"
             keys |= flattened(value, key)
     return keys
 

@@ -1,9 +1,10 @@
 """BackboneModule, the base of FlowModule and MCVAPretrainModule: the optimiser and LR schedule of the
 composed config are the official AdamW + linear OneCycle, the constructor arguments are saved once as plain
 values, a non-finite gradient stops training, and checkpoints written before model.optimizer / model.scheduler
-still resume and initialise."""
+still resume, initialise and load with load_from_checkpoint (or are refused in one line naming them)."""
 
 import inspect
+import re
 
 import hydra
 import lightning as L
@@ -13,8 +14,10 @@ from torch.utils.data import DataLoader
 
 from flowformer.data.synthetic import SyntheticFlowDataset
 from flowformer.lit.base import NonFiniteLossError
+from flowformer.lit.checkpointing import changed_settings, check_resume_checkpoint
 from flowformer.lit.flow import FlowModule
 from flowformer.lit.mcva import MCVAPretrainModule
+from flowformer.models.checkpoint import BackboneTargetError
 
 from helpers.compose import compose_run_config
 from helpers.configs import backbone_config, flow_settings, mcva_settings
@@ -157,6 +160,60 @@ def test_a_checkpoint_with_the_former_optimiser_hyperparameters_resumes_and_init
     )
     for key, value in trained.backbone.state_dict().items():
         torch.testing.assert_close(initialised.backbone.state_dict()[key], value)
-    resumed = fit(make_module(FlowModule), max_steps=3, ckpt_path=tmp_path / "former.ckpt")
+    # run.py's checks before a resume: the former names are compared by their setting now, all equal here
+    resuming = make_module(FlowModule)
+    assert changed_settings(check_resume_checkpoint(tmp_path / "former.ckpt", resuming, 3), resuming) == []
+    resumed = fit(resuming, max_steps=3, ckpt_path=tmp_path / "former.ckpt")
     assert resumed.global_step == 3
     assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == 3
+
+    # Lightning's own loader: the former values are the partials they meant, here conf/model/flow.yaml's
+    loaded = FlowModule.load_from_checkpoint(tmp_path / "former.ckpt", weights_only=True)
+    settings = flow_settings()
+    assert loaded.hparams.optimizer == settings["optimizer"]
+    assert loaded.hparams.scheduler == settings["scheduler"]
+    for key, value in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    configured = attach_trainer(loaded, max_steps=2).configure_optimizers()
+    assert configured["optimizer"].defaults["lr"] == former["lr"]
+
+
+def former_checkpoint(path, drop=(), **hparams) -> str:
+    """A Lightning checkpoint of a tiny FlowModule in the former shape (lr, weight_decay, total_steps and
+    pct_start instead of optimizer and scheduler) without the hyper-parameters `drop`, with `hparams`."""
+    module = make_module(FlowModule)
+    current = {k: v for k, v in module.hparams.items() if k not in ("optimizer", "scheduler", *drop)}
+    former = {"lr": 2.5e-4, "weight_decay": 1e-4, "total_steps": None, "pct_start": 0.05}
+    former = {name: value for name, value in former.items() if name not in drop}
+    hparams = {**current, **former, **hparams}
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": hparams}
+    torch.save({**checkpoint, "pytorch-lightning_version": L.__version__}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("drop", "hparams", "error", "message"),
+    [
+        (("weight_decay",), {}, ValueError, r"hold lr, total_steps, pct_start without weight_decay, so they"),
+        ((), {"optimizer": {"lr": 1.0}}, ValueError, r"hold lr, .* beside optimizer, so they cannot be"),
+        (("gamma",), {}, ValueError, r"lacks the hyper-parameters gamma that FlowModule takes"),
+        ((), {"backbone": {"_target_": "builtins.print"}}, BackboneTargetError, r"`_target_: builtins.print"),
+    ],
+    ids=["some-former-names", "former-and-current", "missing-argument", "backbone-target"],
+)
+def test_a_former_checkpoint_that_cannot_be_loaded_is_one_line_naming_it(
+    tmp_path, drop, hparams, error, message
+):
+    path = former_checkpoint(tmp_path / "former.ckpt", drop, **hparams)
+    with pytest.raises(error, match=rf"^checkpoint {re.escape(path)}\b.*{message}") as info:
+        FlowModule.load_from_checkpoint(path, weights_only=True)
+    assert "\n" not in str(info.value)
+
+
+def test_partials_passed_to_load_from_checkpoint_replace_settings_that_cannot_be_mapped(tmp_path):
+    path = former_checkpoint(tmp_path / "former.ckpt", ("weight_decay",))
+    settings = flow_settings()
+    loaded = FlowModule.load_from_checkpoint(
+        path, weights_only=True, optimizer=settings["optimizer"], scheduler=settings["scheduler"]
+    )
+    assert loaded.hparams.optimizer == settings["optimizer"] and "lr" not in loaded.hparams

@@ -288,12 +288,17 @@ class CrashInValidation(SignalInValidation):
 
 
 def fit_points(
-    run_dir: Path, *callbacks: L.Callback, module: NoisyLinear | None = None, every_n: int = 100, ckpt_path=None
+    run_dir: Path,
+    *callbacks: L.Callback,
+    module: NoisyLinear | None = None,
+    every_n: int = 100,
+    ckpt_path: Path | None = None,
 ) -> NoisyLinear:
     """Trains (or resumes) to STEPS with `callbacks` added, last.ckpt every `every_n` steps; a stop signal
     ends it as it ends task=train (SIGTERMException once last.ckpt is written)."""
     L.seed_everything(0)  # the datamodule keys its draws by the seed, as conf/config.yaml's
-    data = FlowDataModule(train=Points(32, seed=0), val={"points": Points(12, seed=1)}, batch_size=4, val_batch_size=4)
+    val = {"points": Points(12, seed=1)}
+    data = FlowDataModule(train=Points(32, seed=0), val=val, batch_size=4, val_batch_size=4)
     module = module or NoisyLinear()
     trainer = cpu_trainer(
         enable_checkpointing=True,
@@ -301,7 +306,9 @@ def fit_points(
         val_check_interval=VALIDATION_INTERVAL,
         log_every_n_steps=1,
         logger=SafeCSVLogger(run_dir, name="csv", version=""),
-        callbacks=[LastCheckpoint(run_dir / "checkpoints", every_n), RandomStates(), Preemption(), *callbacks],
+        callbacks=[
+            LastCheckpoint(run_dir / "checkpoints", every_n), RandomStates(), Preemption(), *callbacks
+        ],
         plugins=[SafeCheckpointIO()],
     )
     with contextlib.suppress(SIGTERMException):
@@ -331,7 +338,7 @@ def points_reference(tmp_path_factory) -> Path:
     [
         (SignalAtStep(step=7, signal_name="SIGTERM"), 100, 8),  # during step 8, which a validation follows
         (SignalInValidation(step=8, batch=0), 100, 8),  # during that validation's first batch
-        (SignalInValidation(step=8, batch=VALIDATION_BATCHES - 1), 100, 8),  # its last: it ends, then the stop
+        (SignalInValidation(step=8, batch=VALIDATION_BATCHES - 1), 100, 8),  # its last: it ends, then stops
         (SignalInValidation(step=4, batch=1), 100, 4),  # a validation mid-epoch
         (CrashInValidation(step=8, batch=1), 4, 8),  # killed: last.ckpt is the periodic one of step 8
     ],
@@ -359,7 +366,7 @@ def test_a_run_stopped_during_validation_resumes_as_the_uninterrupted_one(
 
 
 class SaveAt(L.Callback):
-    """Saves `path` at the end of training step `step`; notes the fit loop's state as its validation starts."""
+    """Saves `path` at the end of training step `step`; notes the fit loop's state when validation starts."""
 
     def __init__(self, path: Path, step: int) -> None:
         self.path, self.step = path, step
@@ -396,11 +403,13 @@ def test_lightning_reruns_a_validation_saved_inside_its_first_batch_and_skips_on
     inside, before = tmp_path / "inside.ckpt", tmp_path / "before.ckpt"
     save_at = SaveAt(before, step=4)
     fit_points(tmp_path / "first", save_at, module=SaveInsideValidation(inside, step=4))
-    assert torch.load(inside, weights_only=True)["loops"]["fit_loop"] == validation_restart(save_at.at_validation_start)
+    saved = torch.load(inside, weights_only=True)["loops"]["fit_loop"]
+    assert saved == validation_restart(save_at.at_validation_start)
 
     from_inside = fit_points(tmp_path / "from_inside", ckpt_path=inside)
     assert from_inside.validated[:4] == [(4, 0), (4, 1), (4, 2), (8, 0)]
-    assert [(step, bool(val)) for step, _, val in logged(tmp_path / "from_inside")[:2]] == [(3, True), (4, False)]
+    first_rows = logged(tmp_path / "from_inside")[:2]
+    assert [(step, bool(val)) for step, _, val in first_rows] == [(3, True), (4, False)]  # validation, step 4
     from_before = fit_points(tmp_path / "from_before", ckpt_path=before)
     assert from_before.validated[0] == (8, 0)
     assert logged(tmp_path / "from_before")[0][:2] == logged(tmp_path / "from_inside")[1][:2]
