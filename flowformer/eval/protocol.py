@@ -6,6 +6,8 @@ task=infer all predict through ``Protocol.predict``.
   ``conf/eval/sets/<name>.yaml``; ``data.val.<name>`` and ``eval.benchmarks.<name>`` are made from the same
   files, so a set is scored the same way in validation and in task=eval.
 - :class:`Protocol`: one run's settings for one set (the set's geometry, the iterations, tiling on or off).
+- :class:`WarmStart`: the warm start of task=infer and task=eval (`infer.warm_start`, `eval.warm_start`): each
+  pair of a sequence starts from the previous pair's flow, projected forward (:func:`forward_project`).
 
 Metric kinds (``KINDS``): ``flow``, ``sintel``, ``kitti`` (the bundles of ``flowformer.metrics.SET_METRICS``),
 and ``sintel_submission`` / ``kitti_submission`` (test splits: task=eval writes the benchmark's files).
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -122,6 +125,77 @@ class Protocol:
             deduplicate=self.deduplicate_tiles,
         )
         return {"flow": padder.unpad(flow) if padder else flow}
+
+
+def forward_project(flow: Tensor) -> Tensor:
+    """flow [B, 2, H, W] (x, y) of frame t -> an estimate for frame t+1: each pixel's flow is moved to where it
+    points (rounded to the nearest pixel, averaged where several land), and pixels nothing lands on take the
+    mean of their filled 3x3 neighbours, repeated until all are filled (zero flow if nothing lands inside).
+    The official sequence evaluation does this with scipy's nearest-neighbour griddata."""
+    batch, _, height, width = flow.shape
+    ys, xs = torch.meshgrid(
+        torch.arange(height, device=flow.device), torch.arange(width, device=flow.device), indexing="ij"
+    )
+    out = torch.zeros_like(flow)
+    for b in range(batch):
+        x1 = (xs + flow[b, 0]).round().long().flatten()
+        y1 = (ys + flow[b, 1]).round().long().flatten()
+        inside = (x1 >= 0) & (x1 < width) & (y1 >= 0) & (y1 < height)
+        if not inside.any():
+            continue
+        # sums of the flows landing on each pixel, and their count: [3, H*W] -> [1, 3, H, W]
+        sums = torch.zeros(3, height * width, device=flow.device, dtype=flow.dtype)
+        landing = torch.cat([flow[b].flatten(1)[:, inside], torch.ones_like(x1[inside][None], dtype=flow.dtype)])
+        sums.index_add_(1, (y1 * width + x1)[inside], landing)
+        count = sums[2:].view(1, 1, height, width)
+        mean, filled = sums[:2].view(1, 2, height, width) / count.clamp(min=1), count > 0
+        while not filled.all():
+            # each empty pixel next to a filled one takes the mean of its filled 3x3 neighbours
+            weight = filled.to(mean.dtype)
+            pooled = F.avg_pool2d(torch.cat([mean * weight, weight], dim=1), 3, stride=1, padding=1)
+            grow = ~filled & (pooled[:, 2:] > 0)
+            mean = torch.where(grow, pooled[:, :2] / pooled[:, 2:].clamp(min=1e-12), mean)
+            filled = filled | grow
+        out[b] = mean[0]
+    return out
+
+
+# the meta keys naming a pair's sequence (Sintel: dataset, pass, scene; HD1K: sequence); `frame`: its place
+SEQUENCE_KEYS = ("dataset", "pass", "scene", "sequence")
+
+
+class WarmStart:
+    """Starts each pair's decoder from the previous pair's 1/8-resolution flow projected forward
+    (`forward_project`) while the pairs continue one sequence, as RAFT's Sintel submission does (the warm
+    start of the results marked * in the paper's Sintel test table). A pair continues the previous one when
+    its `meta` names the same sequence (SEQUENCE_KEYS) and the next `frame`; any other pair (a new scene, or
+    no `frame` in its meta) starts from zero flow. Pairs come in frame order. Tiled prediction has no
+    1/8-resolution flow of the whole image, so it is not warm-started."""
+
+    def __init__(self) -> None:
+        self._previous: Mapping[str, Any] | None = None
+        self._flow_low: Tensor | None = None  # [B, 2, H'/8, W'/8] of the previous pair's padded images
+        self.continued = 0  # pairs that started from a previous pair's flow
+
+    def continues(self, meta: Mapping[str, Any]) -> bool:
+        previous = self._previous
+        if previous is None or "frame" not in meta or "frame" not in previous:
+            return False
+        same_sequence = all(meta.get(key) == previous.get(key) for key in SEQUENCE_KEYS)
+        return same_sequence and int(meta["frame"]) == int(previous["frame"]) + 1
+
+    def predict(
+        self, protocol: Protocol, net: FlowNet, image1: Tensor, image2: Tensor, meta: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        """`protocol.predict` of the pair image1, image2 [B,3,H,W] (its dataset `meta`), started from the
+        previous pair's projected flow when it continues that pair's sequence."""
+        flow_init = None
+        if self.continues(meta):
+            flow_init = forward_project(self._flow_low)
+            self.continued += 1
+        output = protocol.predict(net, image1, image2, flow_init=flow_init)
+        self._previous, self._flow_low = meta, output["flow_low"].float()
+        return output
 
 
 class EvalSet(Dataset):

@@ -14,7 +14,7 @@ progress bar shows pairs per second. Prediction is task=eval's (`flowformer/eval
 `Protocol.predict`) with `infer.iters` iterations and `infer.pad_mode` padding.
 
 `infer.warm_start=true` starts each pair's refinement from the previous pair's 1/8-resolution flow, projected
-forward along itself (`forward_project`), as the official sequence evaluation does for Sintel.
+forward along itself (`flowformer/eval/protocol.py`, `WarmStart`), as task=eval's `eval.warm_start` does.
 `infer.precision=auto` runs bf16 autocast on a GPU and fp32 on the CPU. Memory is bounded by default: with
 `backbone.memory_budget_gb` null, infer plans for half of the device's free memory (`memory_budget`), which
 keeps the dense computation whenever it fits; a number sets the budget.
@@ -30,14 +30,11 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
-from rich.text import Text
 from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
-from flowformer.eval.protocol import Protocol, require_finite_flow
+from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.tasks.preemption import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
@@ -45,6 +42,7 @@ from flowformer.tasks.runtime import (
     available_memory_gb,
     compile_network,
     load_network,
+    pair_progress,
     pick_device,
 )
 from flowformer.viz import flow_to_color
@@ -105,46 +103,6 @@ def video_frames(path: Path) -> tuple[list[str], Iterator[np.ndarray], int]:
 def to_tensor(image: np.ndarray, device: torch.device) -> torch.Tensor:
     """uint8 [H,W,3] -> float [1,3,H,W] in 0..255."""
     return torch.from_numpy(image).permute(2, 0, 1).float()[None].to(device)
-
-
-def forward_project(flow: torch.Tensor) -> torch.Tensor:
-    """flow [B, 2, H, W] (x, y) of frame t -> an estimate for frame t+1: each pixel's flow is moved to where it
-    points (rounded to the nearest pixel, averaged where several land), and pixels nothing lands on take the
-    mean of their filled 3x3 neighbours, repeated until all are filled (zero flow if nothing lands inside).
-    The official sequence evaluation does this with scipy's nearest-neighbour griddata."""
-    batch, _, height, width = flow.shape
-    ys, xs = torch.meshgrid(
-        torch.arange(height, device=flow.device), torch.arange(width, device=flow.device), indexing="ij"
-    )
-    out = torch.zeros_like(flow)
-    for b in range(batch):
-        x1 = (xs + flow[b, 0]).round().long().flatten()
-        y1 = (ys + flow[b, 1]).round().long().flatten()
-        inside = (x1 >= 0) & (x1 < width) & (y1 >= 0) & (y1 < height)
-        if not inside.any():
-            continue
-        # sums of the flows landing on each pixel, and their count: [3, H*W] -> [1, 3, H, W]
-        sums = torch.zeros(3, height * width, device=flow.device, dtype=flow.dtype)
-        landing = torch.cat([flow[b].flatten(1)[:, inside], torch.ones_like(x1[inside][None], dtype=flow.dtype)])
-        sums.index_add_(1, (y1 * width + x1)[inside], landing)
-        count = sums[2:].view(1, 1, height, width)
-        mean, filled = sums[:2].view(1, 2, height, width) / count.clamp(min=1), count > 0
-        while not filled.all():
-            # each empty pixel next to a filled one takes the mean of its filled 3x3 neighbours
-            weight = filled.to(mean.dtype)
-            pooled = F.avg_pool2d(torch.cat([mean * weight, weight], dim=1), 3, stride=1, padding=1)
-            grow = ~filled & (pooled[:, 2:] > 0)
-            mean = torch.where(grow, pooled[:, :2] / pooled[:, 2:].clamp(min=1e-12), mean)
-            filled = filled | grow
-        out[b] = mean[0]
-    return out
-
-
-class PairsPerSecond(ProgressColumn):
-    """The progress bar's speed: flow fields per second."""
-
-    def render(self, task: Task) -> Text:
-        return Text(f"{task.speed:.2f} pairs/s" if task.speed else "-- pairs/s")
 
 
 def memory_budget(backbone_cfg: DictConfig, device: torch.device) -> DictConfig:
@@ -231,10 +189,9 @@ def run(cfg: DictConfig) -> None:
         raise ValueError(f"infer.input {settings.input}: not one frame could be decoded, so no flow was written")
     previous = to_tensor(first, device)
     pairs = 0
-    flow_init = None
-    columns = (TextColumn("flow"), BarColumn(), MofNCompleteColumn(), PairsPerSecond())
-    with Progress(*columns) as progress, StopSignals() as stop, ExitStack() as on_exit:
-        for index, frame in enumerate(progress.track(frames, total=count - 1), start=0):
+    warm_start = WarmStart() if settings.warm_start else None
+    with pair_progress() as progress, StopSignals() as stop, ExitStack() as on_exit:
+        for index, frame in enumerate(progress.track(frames, total=count - 1, description="flow")):
             if stop.received:  # SIGTERM / SIGUSR1: the pairs done are complete, flow.mp4 is closed on exit
                 raise StoppedBySignal(
                     stop.received,
@@ -248,10 +205,11 @@ def run(cfg: DictConfig) -> None:
                     f"{names[index]} is {tuple(previous.shape[-2:])}; all frames must have one size"
                 )
             with torch.inference_mode(), autocast:
-                output = protocol.predict(net, previous, current, flow_init=flow_init)
+                if warm_start is None:
+                    output = protocol.predict(net, previous, current)
+                else:  # the frames are one sequence
+                    output = warm_start.predict(protocol, net, previous, current, {"frame": index})
             require_finite_flow(output["flow"], f"infer.input pair {names[index]} -> {names[index + 1]}")
-            if settings.warm_start:
-                flow_init = forward_project(output["flow_low"].float())
             flow = output["flow"][0].permute(1, 2, 0).cpu().numpy()  # [H,W,2]
             flow_path, picture_path = output_paths(settings, output_dir, names[index])
             if settings.format == "flo":

@@ -1,6 +1,7 @@
 """Running the network: the `runtime` settings of every task that runs it (GPU matmul precision, the host
-allocator, torch.compile) and, for the tasks that run it themselves (eval, infer, bench), the device, autocast
-precision, free memory and the network with its checkpoint loaded."""
+allocator, torch.compile), its parameter counts (logged by every task that builds it, and in run_info.json)
+and, for the tasks that run it themselves (eval, infer, bench), the device, autocast precision, free memory,
+the network with its checkpoint loaded and the progress bar over its pairs."""
 
 from __future__ import annotations
 
@@ -10,10 +11,21 @@ import os
 import platform
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
 from omegaconf import DictConfig
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 from torch import nn
 
 from flowformer.models import FlowFormer
@@ -124,9 +136,71 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:
     """The network of `backbone_cfg` on `device` in eval mode, with `checkpoint` (ours, an official .pth or a
-    Lightning .ckpt) loaded strictly; None keeps the random initial weights."""
+    Lightning .ckpt) loaded strictly; None keeps the random initial weights. Logs its parameter counts."""
     net = hydra.utils.instantiate(backbone_cfg)
+    log_parameter_counts(parameter_counts(net))
     if checkpoint is not None:
         report = load_backbone_weights(net, str(checkpoint))
         log.info("loaded %s: %s", checkpoint, report)
     return net.to(device).eval()
+
+
+def network_parts(net: FlowFormer) -> dict[str, list[nn.Module]]:
+    """FlowFormer's top-level parts, which together hold all its parameters: the image encoders (feature and
+    context), the channel convertor (FlowFormer's), the cost encoder (none with RAFT's decoder) and the decoder
+    (with FlowFormer++'s reconstruction head); the parts a network lacks are left out."""
+    parts = {
+        "image_encoders": [*net.feature_encoder_modules(), *net.context_encoder_modules()],
+        "channel_convertor": [getattr(net.memory_encoder, "channel_convertor", None)],
+        "cost_encoder": [net.cost_encoder],
+        "decoder": [net.memory_decoder],
+    }
+    present = {name: [module for module in modules if module is not None] for name, modules in parts.items()}
+    return {name: modules for name, modules in present.items() if modules}
+
+
+def parameter_counts(module: nn.Module) -> dict[str, Any]:
+    """{"total", "trainable" (requires_grad)} parameter counts of a network or of a LightningModule holding
+    one as `backbone`, with "by_part" ({part: count}, `network_parts`) when that network is a FlowFormer."""
+    parameters = list(module.parameters())
+    counts: dict[str, Any] = {
+        "total": sum(p.numel() for p in parameters),
+        "trainable": sum(p.numel() for p in parameters if p.requires_grad),
+    }
+    net = getattr(module, "backbone", module)
+    if isinstance(net, FlowFormer):
+        counts["by_part"] = {
+            name: sum(p.numel() for m in modules for p in m.parameters())
+            for name, modules in network_parts(net).items()
+        }
+    return counts
+
+
+def log_parameter_counts(counts: dict[str, Any]) -> None:
+    """One line: 'parameters: 16.17M total, 16.17M trainable (image_encoders 8.44M, ...)'."""
+    parts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in counts.get("by_part", {}).items())
+    log.info(
+        "parameters: %.2fM total, %.2fM trainable%s",
+        counts["total"] / 1e6,
+        counts["trainable"] / 1e6,
+        f" ({parts})" if parts else "",
+    )
+
+
+class PairsPerSecond(ProgressColumn):
+    """The progress bar's speed: flow fields per second."""
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed:.2f} pairs/s" if task.speed else "-- pairs/s")
+
+
+def pair_progress() -> Progress:
+    """The progress bar of task=infer and task=eval over flow pairs: the task's description, the bar, pairs
+    done of all, pairs per second and the time left."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        PairsPerSecond(),
+        TimeRemainingColumn(),
+    )

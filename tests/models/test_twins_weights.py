@@ -11,6 +11,7 @@ import timm
 import torch
 
 from flowformer.models.encoders import TWINS_IMAGENET_FILE, TwinsEncoder, imagenet_weights_url
+from flowformer.tasks import run_task
 
 from helpers.compose import compose_run_config
 
@@ -90,3 +91,18 @@ def test_without_a_network_or_a_cached_copy_one_line_says_where_to_place_one(off
 )
 def test_the_papers_fresh_stages_start_from_imagenet_twins(overrides, expected):
     assert compose_run_config(overrides).backbone.twins_weights == expected
+
+
+def test_a_stage_without_network_fails_before_any_work_in_one_line(offline_hub, tmp_path, capsys):
+    """experiment=chairs (FlowFormer, ImageNet Twins) offline: task=train stops when the network is built, before
+    the run record, the trainer or any data is touched, with one line and exit status 1."""
+    cfg = compose_run_config(
+        ["experiment=chairs", "trainer=cpu", "data=synthetic", f"paths.output_dir={tmp_path / 'run'}"]
+    )
+    with pytest.raises(SystemExit) as exited:
+        run_task(cfg)
+    assert exited.value.code == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error (FileNotFoundError): backbone.twins_weights=imagenet: timm found no network")
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert not (tmp_path / "run").exists()  # no run record, no checkpoint folder

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flowformer.data.io import read_flo, read_kitti_flow
+from flowformer.eval.protocol import forward_project
 from flowformer.models import save_backbone
 from flowformer.models.checkpoint import CheckpointMismatchError, export_official, load_backbone
 from flowformer.tasks import infer, run_task
@@ -128,12 +129,12 @@ def test_video_warm_start_changes_the_flow_and_the_flow_video_opens(tmp_path, ch
 def test_forward_project_moves_flow_to_where_it_points():
     flow = torch.zeros(1, 2, 6, 8)
     flow[0, 0, 2, 3] = 2.0  # pixel (x=3, y=2) moves 2 px right
-    projected = infer.forward_project(flow)
+    projected = forward_project(flow)
     assert projected[0, 0, 2, 5] > 0  # its flow now sits at (x=5, y=2)
     assert projected[0, 0, 2, 3] == 0  # where it came from is left empty and filled from zero-flow neighbours
     uniform = torch.ones(1, 2, 6, 8) * torch.tensor([3.0, 0.0]).view(1, 2, 1, 1)
     # everything shifts right: the first 3 columns are filled from their neighbours with the same flow
-    torch.testing.assert_close(infer.forward_project(uniform), uniform)
+    torch.testing.assert_close(forward_project(uniform), uniform)
 
 
 def test_infer_refuses_missing_input(tmp_path, checkpoint):

@@ -2,15 +2,18 @@
 stage chaining, resume with its wandb run (offline), multirun sweeps and clean errors."""
 
 import json
+import logging
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from omegaconf import OmegaConf
 
-from flowformer.tasks.run_setup import build_callbacks
+from flowformer.tasks.run_setup import build_callbacks, warn_random_twins
 
 from helpers.compose import compose_run_config
+from helpers.configs import build_backbone
 from helpers.run import run_py
 
 
@@ -18,9 +21,15 @@ def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     run_py("debug=tiny", "logger=many", "name=pytest", f"hydra.run.dir={first}", "tags=[unit]")
 
-    # the run record: resolved config, git SHA and package versions
+    # the run record: resolved config, git SHA, package versions and the network's parameter counts
     info = json.loads((first / "run_info.json").read_text())
     assert len(info["git"]["sha"]) == 40 and torch.__version__.startswith(info["packages"]["torch"])
+    net = build_backbone("tiny")
+    parameters = info["parameters"]
+    assert parameters["total"] == parameters["trainable"] == sum(p.numel() for p in net.parameters())
+    assert set(parameters["by_part"]) == {"image_encoders", "cost_encoder", "decoder"}
+    assert sum(parameters["by_part"].values()) == parameters["total"]
+    assert f"parameters: {parameters['total'] / 1e6:.2f}M total" in (first / "run.log").read_text()
     assert "_target_: flowformer.models.build_flowformer" in (first / "config_resolved.yaml").read_text()
     assert (first / "csv" / "metrics.csv").is_file()
 
@@ -113,3 +122,27 @@ def test_progress_bar_switch_drops_the_rich_bar(bar):
     assert any(isinstance(c, RichProgressBar) for c in callbacks) == bar
     assert any(isinstance(c, ModelCheckpoint) for c in callbacks)
     L.Trainer(enable_progress_bar=bar, callbacks=callbacks, logger=False)  # refused before the fix
+
+
+def test_twins_from_random_weights_in_a_fresh_run_is_one_warning(caplog):
+    cfg = compose_run_config(["experiment=chairs"])  # FlowFormer's stage 1: ImageNet Twins
+    settings = {
+        "imagenet": {},
+        "from scratch": {"backbone.twins_weights": None},
+        "initialised": {"backbone.twins_weights": None, "model.init_from": "/runs/mcva.ckpt"},
+        "resumed": {"backbone.twins_weights": None, "ckpt_path": "/runs/last.ckpt"},
+        "cnn": {"backbone.twins_weights": None, "backbone.image_encoder": "cnn"},
+    }
+    warnings = {}
+    for name, changes in settings.items():
+        changed = cfg.copy()
+        for key, value in changes.items():
+            OmegaConf.update(changed, key, value, force_add=True)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            warn_random_twins(changed)
+        warnings[name] = [record.getMessage() for record in caplog.records]
+    (line,) = warnings.pop("from scratch")
+    assert line.startswith("backbone.twins_weights is null and nothing initialises the network")
+    assert "1.29" in line and "set backbone.twins_weights=imagenet" in line
+    assert warnings == {name: [] for name in warnings}
