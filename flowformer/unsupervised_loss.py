@@ -26,8 +26,7 @@ SSIM_WINDOW = 3  # ARFlow's 3x3 SSIM window: local structure at the scale of a p
 CENSUS_WINDOW = 7  # UFlow's and SMURF's 7x7 census neighbourhood
 CENSUS_SOFTNESS = 0.81  # UFlow's soft sign: d / sqrt(0.81 + d^2) on grey levels 0..255
 HAMMING_SOFTNESS = 0.1  # UFlow's soft Hamming distance: t^2 / (0.1 + t^2) per neighbour
-ROBUST_EPSILON, ROBUST_POWER = 0.01, 0.4  # UFlow's robust penalty (|x| + 0.01)^0.4 of the census distance
-PHOTOMETRIC_TERMS = ("l1", "ssim", "census")
+ROBUST_EPSILON, ROBUST_POWER = 0.01, 0.4  # UFlow's robust penalty (d + 0.01)^0.4 of the census distance d >= 0
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,9 @@ class UnsupervisedLossSettings:
     gamma: float
 
     def __post_init__(self) -> None:
-        weights = {"l1_weight": self.l1_weight, "ssim_weight": self.ssim_weight}
-        weights |= {"census_weight": self.census_weight, "smooth_weight": self.smooth_weight}
-        weights |= {"edge_constant": self.edge_constant, "gamma": self.gamma}
-        for name, value in weights.items():
-            if value < 0:
-                raise ValueError(f"model.{name}={value}: must be >= 0")
+        for name in ("l1_weight", "ssim_weight", "census_weight", "smooth_weight", "edge_constant", "gamma"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name}={getattr(self, name)}: must be >= 0")
         if not any(self.photometric_weights().values()):
             raise ValueError(
                 "model.l1_weight, model.ssim_weight and model.census_weight are all 0: the loss needs a "
@@ -108,7 +104,7 @@ def census_distance(image1: Tensor, warped2: Tensor) -> Tensor:
     [B, 1, H, W]."""
     difference = (census_transform(image1) - census_transform(warped2)).square()  # [B, 49, H, W]
     hamming = (difference / (HAMMING_SOFTNESS + difference)).sum(1, keepdim=True)
-    return (hamming.abs() + ROBUST_EPSILON).pow(ROBUST_POWER)
+    return (hamming + ROBUST_EPSILON).pow(ROBUST_POWER)
 
 
 def photometric_maps(image1: Tensor, warped2: Tensor, weights: dict[str, float]) -> dict[str, Tensor]:
@@ -187,7 +183,7 @@ def iteration_terms(
         if weight == 0:
             continue
         warped2, _ = backward_warp(image2, flow)
-        # both images zeroed where hidden (ARFlow), so the windows of SSIM and census see no hidden pixel differ
+        # both images zeroed where hidden (ARFlow): no hidden pixel differs inside the SSIM and census windows
         errors = photometric_maps(image1 * keep, warped2 * keep, settings.photometric_weights())
         values = {name: masked_mean(error, keep) for name, error in errors.items()}
         if settings.smooth_weight > 0:
