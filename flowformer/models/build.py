@@ -87,7 +87,8 @@ class BackboneConfig:
     FlowFormer, the official `configs/things.py`.
 
     variant: "flowformer" | "flowformer_pp" (VARIANTS). image_encoder: "twins" (Twins-SVT-Large stages 0-1,
-    feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: a local timm ImageNet file.
+    feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: "imagenet" (timm's ImageNet
+    weights, from its cache), a local copy of them, or None (random).
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
     agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers): its
     knobs; intra_layer (INTRA_LAYERS), inter_layer (INTER_LAYERS), token_pe, agt_pe: the AGT layer's halves and
