@@ -44,6 +44,13 @@ FORMER_PARTIALS: dict[str, dict[str, Any]] = {
         "anneal_strategy": "linear",
     },
 }
+# What a checkpoint's optimizer / scheduler partial may name: a torch optimiser / LR scheduler class (as
+# conf/model/optimizer/ and conf/model/scheduler/ do). Configuring the optimisers of a module loaded from a
+# file calls it, and Hydra first calls any `_target_` nested in its values: other code is refused.
+STORED_PARTIAL_CLASSES: dict[str, tuple[Any, type]] = {
+    "optimizer": (torch.optim, torch.optim.Optimizer),
+    "scheduler": (torch.optim.lr_scheduler, torch.optim.lr_scheduler.LRScheduler),
+}
 # load_from_checkpoint's own arguments (Lightning's); its other keyword arguments are hyper-parameters.
 LOAD_ARGUMENTS = ("map_location", "hparams_file", "strict", "weights_only")
 
@@ -117,6 +124,34 @@ def current_hyperparameters(hparams: Mapping[str, Any], source: str, advice: str
     return mapped
 
 
+def check_stored_partial(config: Any, group: str, source: str) -> None:
+    """Refuses the `group` partial (optimizer, scheduler) of a checkpoint's hyper-parameters unless its
+    `_target_` is a class STORED_PARTIAL_CLASSES allows and none of its values nests a `_target_`."""
+    module, base = STORED_PARTIAL_CLASSES[group]
+    settings = dict(config) if isinstance(config, Mapping) else {}
+    target = str(settings.pop("_target_", ""))
+    name = target.removeprefix(f"{module.__name__}.")
+    named = getattr(module, name, None) if name != target and "." not in name else None
+    nested = holds_target(settings)
+    if isinstance(named, type) and issubclass(named, base) and not nested:
+        return
+    raise ValueError(
+        f"{source} names model.{group} `_target_: {target}`{' with a nested `_target_`' if nested else ''}, "
+        f"which is refused: a checkpoint's {group} may name only a {module.__name__} class ({base.__name__}) "
+        f"with plain settings, since configuring the optimisers calls it; pass {group}=... to "
+        "load_from_checkpoint"
+    )
+
+
+def holds_target(value: Any) -> bool:
+    """Whether a config value (a mapping, a list, a plain value) holds a `_target_` at any depth."""
+    if isinstance(value, Mapping):
+        return "_target_" in value or any(holds_target(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_target(item) for item in value)
+    return False
+
+
 def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Any:
     """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too."""
     if not config.get("_partial_"):
@@ -178,7 +213,8 @@ class BackboneModule(L.LightningModule):
     @classmethod
     def _checkpoint_settings(cls, path: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
         """`settings` with the checkpoint's optimizer and scheduler partials by today's names; refuses (one
-        line) hyper-parameters that cannot be mapped or lack a constructor argument of this module."""
+        line) hyper-parameters that cannot be mapped, lack a constructor argument of this module, or name code
+        other than a torch optimiser / LR scheduler (`check_stored_partial`)."""
         stored = read_checkpoint(path).get("hyper_parameters") or {}
         advice = (
             "pass optimizer=... and scheduler=... (conf/model/optimizer/, conf/model/scheduler/) to "
@@ -200,6 +236,8 @@ class BackboneModule(L.LightningModule):
                 "takes (saved by another module or version?): pass them to load_from_checkpoint as keyword "
                 "arguments"
             )
+        for group in (group for group in FORMER_PARTIALS if group not in settings):  # those from the file
+            check_stored_partial(hparams[group], group, f"checkpoint {path}")
         return settings | {group: hparams[group] for group in FORMER_PARTIALS}
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -217,3 +217,25 @@ def test_partials_passed_to_load_from_checkpoint_replace_settings_that_cannot_be
         path, weights_only=True, optimizer=settings["optimizer"], scheduler=settings["scheduler"]
     )
     assert loaded.hparams.optimizer == settings["optimizer"] and "lr" not in loaded.hparams
+
+
+@pytest.mark.parametrize(
+    ("group", "partial"),
+    [
+        ("optimizer", {"_target_": "builtins.print", "_partial_": True}),
+        ("optimizer", {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": {"_target_": "builtins.print"}}),
+        ("scheduler", {"_target_": "torch.optim.os.system", "_partial_": True}),
+    ],
+    ids=["other-code", "nested-target", "through-a-module"],
+)
+def test_a_checkpoint_whose_optimiser_names_other_code_is_refused_by_load_from_checkpoint(
+    tmp_path, group, partial
+):
+    """Fitting the loaded module would call the stored partial (and first, through Hydra, what it nests)."""
+    module = make_module(FlowModule)
+    path = tmp_path / "stored.ckpt"
+    hparams = {**module.hparams, group: partial}
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": hparams}
+    torch.save({**checkpoint, "pytorch-lightning_version": L.__version__}, path)
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(path))} names model.{group} `_target_: "):
+        FlowModule.load_from_checkpoint(path, weights_only=True)
