@@ -75,9 +75,9 @@ class LastCheckpoint(Checkpoint):
 
     A step followed by a validation is saved as it stood when that validation started, whenever the save
     comes (at the step's end, during the validation or after it, before the next step), so a resume runs the
-    whole validation and then goes on as the uninterrupted run did (:func:`validation_restart`): Lightning
-    itself would skip that validation on a resume from the step's end, resume it from the batch it stopped at
-    on the first batch, and log the next steps one step too high after it ended."""
+    whole validation and then goes on as the uninterrupted run did (:func:`validation_restart`). Lightning
+    itself resumes a step saved at its end or during its validation without that validation, and one saved
+    after the validation ended (a stop in its last batch) logs every later step one too high."""
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int = 500) -> None:
         if every_n_train_steps < 1:
