@@ -20,6 +20,9 @@ iterations `iters` (FF: 32 Sintel, 24 KITTI; FF++: 12). Kinds and their metrics 
 - `sintel_submission` / `kitti_submission`: test sets; write .flo trees / 16-bit PNGs.
 
 `eval.tile=true` switches every set from padding to Gaussian tiling with its `tile_size` and `tile_pad_mode`.
+`eval.warm_start=true` (not tiled) starts each pair of a sequence (a Sintel scene, in frame order) from the
+previous pair's flow projected forward, as `infer.warm_start` does (`flowformer/eval/protocol.py`).
+A progress bar shows each set's pairs per second and the time left.
 Writes `eval.results_json` and prints a table; returns the first scored set's `epe` (for sweepers). An
 existing `eval.results_json` or submission folder is refused before any work unless `eval.overwrite=true`.
 """
@@ -37,14 +40,20 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from flowformer.eval.protocol import EvalSet, Protocol, require_finite_flow
-from flowformer.metrics import NothingScoredError
+from flowformer.eval.protocol import EvalSet, Protocol, WarmStart, require_finite_flow
+from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
-from flowformer.tasks.runtime import autocast_context, compile_network, load_network, pick_device
+from flowformer.tasks.runtime import (
+    autocast_context,
+    compile_network,
+    load_network,
+    pair_progress,
+    pick_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +88,51 @@ def evaluate_set(
     max_samples: int | None = None,
     num_workers: int = 0,
     submission_dir: Path | None = None,
+    warm_start: bool = False,
 ) -> dict[str, float]:
     """Runs `net` (eval mode, B = 1 as the official scripts) over `dataset` with `protocol` and returns the set's
     metrics (an empty dict for submission sets, which write `submission_dir`/sintel/<pass>/<scene>/frame%04d.flo
-    or `submission_dir`/kitti/<frame_id> instead, as the official submission writers)."""
+    or `submission_dir`/kitti/<frame_id> instead, as the official submission writers). With `warm_start`, each
+    pair that continues the previous pair's sequence starts from its projected flow (`WarmStart`). A progress
+    bar shows the pairs per second and the time left."""
     if protocol.writes_submission and submission_dir is None:
         raise ValueError(f"eval set {name} writes a submission; set eval.submission_dir")
-    write_item = submission_writer(protocol.kind) if protocol.writes_submission else None
     metrics = None if protocol.writes_submission else protocol.metrics()
+    count = pairs_to_evaluate(dataset, name, max_samples)
+    loader = DataLoader(
+        torch.utils.data.Subset(dataset, range(count)),
+        batch_size=1,
+        num_workers=num_workers,
+        collate_fn=_single,
+    )
+    warm = WarmStart() if warm_start else None
+    with pair_progress() as progress:
+        for index, item in enumerate(progress.track(loader, total=count, description=name)):
+            image1 = item["img1"][None].to(device)  # [1,3,H,W]
+            image2 = item["img2"][None].to(device)
+            with torch.inference_mode(), autocast_context(device, precision, "eval.precision"):
+                if warm is None:
+                    flow = protocol.predict(net, image1, image2)["flow"]  # [1,2,H,W] fp32
+                else:
+                    flow = warm.predict(protocol, net, image1, image2, item.get("meta", {}))["flow"]
+            require_finite_flow(flow, f"eval set {name}, pair {index}")
+            if metrics is None:
+                write_submission_item(submission_dir, protocol, flow, item)
+            else:
+                score_item(metrics, flow, item, name, protocol)
+    log.info("%s: %d pairs in %.1f s", name, count, progress.tasks[0].elapsed or 0.0)
+    if warm is not None:
+        log.info("%s: %d of %d pairs started from the previous pair's flow", name, warm.continued, count)
+    if metrics is None:
+        return {}
+    try:
+        return {key: float(value) for key, value in metrics.compute().items()}
+    except NothingScoredError as error:
+        raise NothingScoredError(f"eval set {name}: {error} in its {count} pairs") from None
+
+
+def pairs_to_evaluate(dataset: Dataset, name: str, max_samples: int | None) -> int:
+    """How many pairs of `dataset` to evaluate: all, or the first eval.max_samples."""
     if max_samples is not None and int(max_samples) < 1:
         raise ValueError(
             f"eval.max_samples={max_samples}: expected a positive number of pairs per set, or null for every pair"
@@ -94,39 +140,28 @@ def evaluate_set(
     count = len(dataset) if max_samples is None else min(len(dataset), int(max_samples))
     if count == 0:
         raise ValueError(f"eval set {name} is empty; check its dataset root and split")
-    loader = DataLoader(
-        torch.utils.data.Subset(dataset, range(count)),
-        batch_size=1,
-        num_workers=num_workers,
-        collate_fn=_single,
-    )
-    for index, item in enumerate(loader):
-        image1 = item["img1"][None].to(device)  # [1,3,H,W]
-        image2 = item["img2"][None].to(device)
-        with torch.inference_mode(), autocast_context(device, precision, "eval.precision"):
-            flow = protocol.predict(net, image1, image2)["flow"]  # [1,2,H,W] fp32
-        require_finite_flow(flow, f"eval set {name}, pair {index}")
-        if write_item is not None:
-            folder = submission_folder(submission_dir, protocol)
-            write_item(folder, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
-        else:
-            if "flow" not in item:
-                raise ValueError(
-                    f"eval set {name} (kind {protocol.kind}) has no ground-truth flow; use a training "
-                    "split, or kind sintel_submission / kitti_submission for test splits"
-                )
-            valid = item.get("valid")
-            metrics.update(
-                flow.cpu(), item["flow"][None].float(), None if valid is None else valid[None].float()
-            )
-        if (index + 1) % 100 == 0:
-            log.info("%s: %d / %d", name, index + 1, count)
-    if metrics is None:
-        return {}
-    try:
-        return {key: float(value) for key, value in metrics.compute().items()}
-    except NothingScoredError as error:
-        raise NothingScoredError(f"eval set {name}: {error} in its {count} pairs") from None
+    return count
+
+
+def write_submission_item(
+    submission_dir: Path, protocol: Protocol, flow: Tensor, item: Mapping[str, Any]
+) -> None:
+    """A test pair's flow [1,2,H,W] into the benchmark's submission folder, named by the item's meta."""
+    folder = submission_folder(submission_dir, protocol)
+    submission_writer(protocol.kind)(folder, flow[0].permute(1, 2, 0).cpu().numpy(), item.get("meta", {}))
+
+
+def score_item(
+    metrics: SetMetrics, flow: Tensor, item: Mapping[str, Any], name: str, protocol: Protocol
+) -> None:
+    """Scores a pair's flow [1,2,H,W] against its ground truth (and valid mask, where the set has one)."""
+    if "flow" not in item:
+        raise ValueError(
+            f"eval set {name} (kind {protocol.kind}) has no ground-truth flow; use a training "
+            "split, or kind sintel_submission / kitti_submission for test splits"
+        )
+    valid = item.get("valid")
+    metrics.update(flow.cpu(), item["flow"][None].float(), None if valid is None else valid[None].float())
 
 
 def format_table(results: Mapping[str, Mapping[str, float]], kinds: Mapping[str, str]) -> str:
@@ -184,8 +219,14 @@ def open_sets(settings: DictConfig) -> dict[str, tuple[Protocol, EvalSet]]:
         raise ValueError(
             f"eval.sets names {unknown}, which eval.benchmarks does not define; defined: {list(benchmarks)}"
         )
+    if settings.warm_start and settings.tile:
+        raise ValueError(
+            "eval.warm_start=true with eval.tile=true: tiled prediction starts every tile from zero flow and has "
+            "no 1/8-resolution flow of the whole image to carry to the next pair; set one of them to false"
+        )
     run_settings = {
         "tile": bool(settings.tile),
+
         "sigma": float(settings.sigma),
         "min_overlap": int(settings.min_overlap),
         "deduplicate_tiles": bool(settings.deduplicate_tiles),
@@ -269,8 +310,9 @@ def run(cfg: DictConfig) -> float | None:
             max_samples=settings.get("max_samples"),
             num_workers=settings.num_workers,
             submission_dir=submission_dir,
+            warm_start=settings.warm_start,
         )
-        protocols[name] = {**asdict(protocol), "pairs": len(dataset)}
+        protocols[name] = {**asdict(protocol), "pairs": len(dataset), "warm_start": settings.warm_start}
 
     print(format_table(results, {name: protocol.kind for name, (protocol, _) in sets.items()}))
     write_results(cfg, results, protocols)

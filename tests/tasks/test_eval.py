@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import cv2
@@ -15,12 +16,13 @@ from torch.utils.data import Dataset
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.eval.padding import InputPadder
-from flowformer.eval.protocol import EvalSet, Protocol
+from flowformer.eval.protocol import EvalSet, Protocol, forward_project
 from flowformer.metrics import FlowMetrics, NothingScoredError
 from flowformer.models import save_backbone
 from flowformer.tasks.eval import evaluate_set, format_table, run
 
 from helpers.configs import CONF_DIR
+from helpers.trees import sintel_tree
 
 
 class ConstantFlowSet(Dataset):
@@ -271,3 +273,55 @@ def test_no_set_to_evaluate_is_refused_before_the_network(tmp_path: Path) -> Non
         cfg = compose("config", overrides=["task=eval", "backbone=flowformer", "eval.sets=[]"])
     with pytest.raises(ValueError, match=r"eval.sets is empty: name the sets to evaluate, of eval.benchmarks \["):
         run(cfg)
+
+
+def test_warm_start_carries_each_scenes_flow_to_its_next_pair(tmp_path: Path) -> None:
+    """eval.warm_start=true on a Sintel-shaped test tree (alley_1: one pair, market_2: two): the first pair of
+    each scene is as without it, the second pair of market_2 starts from the first's projected 1/8 flow."""
+    sintel_tree(tmp_path / "data" / "Sintel")
+    overrides = [
+        "task=eval",
+        "backbone=tiny",
+        "eval.sets=[sintel_test_clean]",
+        "eval.num_workers=0",
+        f"paths.data_dir={tmp_path / 'data'}",
+        f"eval.checkpoint={tmp_path / 'tiny.pt'}",
+        "eval.benchmarks.sintel_test_clean.iters=2",
+    ]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        configs = {
+            warm: compose(
+                "config",
+                overrides=[*overrides, f"eval.warm_start={warm}", f"paths.output_dir={tmp_path / warm}"],
+            )
+            for warm in ("false", "true")
+        }
+        tiled = compose("config", overrides=[*overrides, "eval.warm_start=true", "eval.tile=true"])
+    net = hydra.utils.instantiate(configs["true"].backbone).eval()
+    save_backbone(tmp_path / "tiny.pt", net)
+    with pytest.raises(ValueError, match="eval.warm_start=true with eval.tile=true: .* one of them to false"):
+        run(tiled)
+    names = ("alley_1/frame0001.flo", "market_2/frame0001.flo", "market_2/frame0002.flo")
+    flows = {}
+    for warm, cfg in configs.items():
+        run(cfg)
+        record = json.loads((tmp_path / warm / "eval_results.json").read_text())
+        assert record["protocol"]["sintel_test_clean"]["warm_start"] == (warm == "true")
+        flows[warm] = [read_flo(tmp_path / warm / "submission" / "sintel" / "clean" / name) for name in names]
+    for first in (0, 1):  # each scene's first pair
+        np.testing.assert_array_equal(flows["true"][first], flows["false"][first])
+    assert not np.allclose(flows["true"][2], flows["false"][2])
+    # the second pair is the network started from infer's forward projection of the first pair's 1/8 flow
+    scenes = hydra.utils.instantiate(configs["true"].eval.benchmarks.sintel_test_clean.dataset)
+    pairs = [(scenes[i]["img1"][None], scenes[i]["img2"][None]) for i in (1, 2)]  # market_2 (after alley_1)
+    protocol = Protocol(iters=2, pad_mode="sintel")
+    with torch.inference_mode():
+        first = protocol.predict(net, *pairs[0])
+        second = protocol.predict(net, *pairs[1], flow_init=forward_project(first["flow_low"]))
+    np.testing.assert_allclose(flows["true"][2], second["flow"][0].permute(1, 2, 0).numpy(), atol=1e-5)
+
+
+def test_evaluation_shows_a_progress_bar_with_pairs_per_second_and_time_left(capsys) -> None:
+    flow_set, protocol = ConstantFlowSet([(16, 16)] * 3), Protocol(kind="flow", iters=1)
+    evaluate_set(RecordingNet((0.0, 0.0)), flow_set, protocol, name="demo", device=CPU)
+    assert re.search(r"demo .* 3/3 .*pairs/s \d+:\d\d:\d\d", capsys.readouterr().out)
