@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 BACKBONE_FORMAT = "flowformer-backbone"
 OFFICIAL_PREFIX = "module."
-# Lightning .ckpt keys of the network: FlowModule and MCVAPretrainModule (flowformer/lit/) hold it as their
-# `backbone` attribute. Spelled out here rather than read from those classes because models/ must not import lit/.
+# Lightning .ckpt keys of the network: FlowModule, MCVAPretrainModule and UnsupervisedPretrainModule
+# (flowformer/lit/) hold it as their `backbone` attribute. Spelled out here rather than read from those classes
+# because models/ must not import lit/.
 LIGHTNING_PREFIX = "backbone."
 # Stored backbone configs (our backbone files, the `backbone` hyper-parameters of Lightning checkpoints) written by
 # older versions are brought up to date wherever they are read (`current_backbone_config`), so they still load:
@@ -197,7 +198,7 @@ def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str, Mappin
         if not state:
             raise ValueError(
                 f"{path}: a Lightning checkpoint without `{LIGHTNING_PREFIX}` keys; expected the state of "
-                "FlowModule or MCVAPretrainModule"
+                "FlowModule, MCVAPretrainModule or UnsupervisedPretrainModule"
             )
         return state, "lightning", obj.get("hyper_parameters", {}).get("backbone")
     if obj and all(isinstance(v, Tensor) for v in obj.values()):
@@ -246,8 +247,9 @@ def _as_network_dtypes(net: nn.Module, state: Mapping[str, Tensor]) -> dict[str,
 def load_backbone_weights(
     net: FlowFormer, path: str | Path, *, skip_prefixes: Iterable[str] = ()
 ) -> LoadReport:
-    """Load our backbone file, an official `.pth` (with or without `module.`) or a FlowModule/MCVAPretrainModule
-    Lightning `.ckpt` into `net`, strictly except for keys starting with one of `skip_prefixes`."""
+    """Load our backbone file, an official `.pth` (with or without `module.`) or a Lightning `.ckpt` of a
+    FlowModule/MCVAPretrainModule/UnsupervisedPretrainModule into `net`, strictly except for keys starting with
+    one of `skip_prefixes`."""
     state, kind, _ = _unwrap(read_checkpoint(path, net), path)
     skip = tuple(skip_prefixes)
     skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
@@ -315,7 +317,8 @@ def save_backbone(path: str | Path, net: FlowFormer) -> None:
 
 def load_backbone(path: str | Path) -> FlowFormer:
     """Rebuild a network from a file that stores its backbone config, our backbone file or a
-    FlowModule/MCVAPretrainModule Lightning `.ckpt` (its `backbone` hyper-parameters), and load it strictly."""
+    FlowModule/MCVAPretrainModule/UnsupervisedPretrainModule Lightning `.ckpt` (its `backbone` hyper-parameters),
+    and load it strictly."""
     state, kind, config = _unwrap(read_checkpoint(path), path)
     if kind == "official":
         raise ValueError(
