@@ -104,10 +104,10 @@ class TwinsEncoder(nn.Module):
             )
         except LocalEntryNotFoundError:
             raise FileNotFoundError(
-                f"backbone.twins_weights={IMAGENET}: timm found no network to download twins_svt_large's "
-                f"ImageNet weights ({imagenet_weights_url()}) and they are not in its cache "
-                f"({huggingface_hub.constants.HF_HUB_CACHE}). Download that file on a machine with a "
-                "network, copy it to this one and set "
+                f"backbone.twins_weights={IMAGENET}: timm tried to download twins_svt_large's ImageNet "
+                f"weights ({imagenet_weights_url()}) but found no network (or the hub unreachable), and they "
+                f"are not in its cache ({huggingface_hub.constants.HF_HUB_CACHE}). Download that file on a "
+                "machine with a network, copy it to this one and set "
                 f"backbone.twins_weights=<path to {TWINS_IMAGENET_FILE}>."
             ) from None
 
