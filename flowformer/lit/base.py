@@ -152,6 +152,17 @@ def holds_target(value: Any) -> bool:
     return False
 
 
+def stored_hyperparameters(checkpoint: Any) -> dict[str, Any]:
+    """The hyper-parameters of a checkpoint file (a path, or a file object, read from where it stands and put
+    back there), read weights-only."""
+    if isinstance(checkpoint, (str, Path)):
+        return read_checkpoint(checkpoint).get("hyper_parameters") or {}
+    start = checkpoint.tell()
+    stored = torch.load(checkpoint, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
+    checkpoint.seek(start)
+    return stored
+
+
 def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Any:
     """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too."""
     if not config.get("_partial_"):
@@ -197,13 +208,15 @@ class BackboneModule(L.LightningModule):
         """Lightning's loader, also for checkpoints written before model.optimizer / model.scheduler: their
         former settings are passed as the partials they mean (`current_hyperparameters`). Keyword arguments
         other than Lightning's own (LOAD_ARGUMENTS) replace stored hyper-parameters, as in Lightning. A
-        checkpoint whose hyper-parameters cannot be mapped or lack a constructor argument, and a refused
-        backbone `_target_` (`build_backbone`), are one error naming the checkpoint. A file object, or
-        hyper-parameters from `hparams_file`, go to Lightning as they are."""
+        checkpoint (a local path or a file object) whose hyper-parameters cannot be mapped, lack a constructor
+        argument or name code to run (`_checkpoint_settings`), and a refused backbone `_target_`
+        (`build_backbone`), are one error naming the checkpoint. Hyper-parameters from `hparams_file` and
+        remote checkpoints (`<protocol>://...`) go to Lightning as they are."""
         load_arguments = dict(zip(LOAD_ARGUMENTS, args))
         load_arguments |= {name: value for name, value in kwargs.items() if name in LOAD_ARGUMENTS}
         settings = {name: value for name, value in kwargs.items() if name not in LOAD_ARGUMENTS}
-        if isinstance(checkpoint_path, (str, Path)) and load_arguments.get("hparams_file") is None:
+        remote = isinstance(checkpoint_path, str) and "://" in checkpoint_path
+        if not remote and load_arguments.get("hparams_file") is None:
             settings = cls._checkpoint_settings(checkpoint_path, settings)
         try:
             return super().load_from_checkpoint(checkpoint_path, **load_arguments, **settings)
@@ -211,11 +224,13 @@ class BackboneModule(L.LightningModule):
             raise BackboneTargetError(f"checkpoint {checkpoint_path}: {error}") from None
 
     @classmethod
-    def _checkpoint_settings(cls, path: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
+    def _checkpoint_settings(cls, path: Any, settings: dict[str, Any]) -> dict[str, Any]:
         """`settings` with the checkpoint's optimizer and scheduler partials by today's names; refuses (one
         line) hyper-parameters that cannot be mapped, lack a constructor argument of this module, or name code
         other than a torch optimiser / LR scheduler (`check_stored_partial`)."""
-        stored = read_checkpoint(path).get("hyper_parameters") or {}
+        stored = stored_hyperparameters(path)
+        name = path if isinstance(path, (str, Path)) else getattr(path, "name", "(a file object)")
+        source = f"checkpoint {name}"
         advice = (
             "pass optimizer=... and scheduler=... (conf/model/optimizer/, conf/model/scheduler/) to "
             "load_from_checkpoint, or load only its weights (flowformer.models.load_backbone_weights, "
@@ -223,7 +238,7 @@ class BackboneModule(L.LightningModule):
         )
         hparams = {**stored, **settings}
         if not FORMER_PARTIALS.keys() <= settings.keys():  # partials passed here replace the stored settings
-            hparams = current_hyperparameters(hparams, f"checkpoint {path}", advice)
+            hparams = current_hyperparameters(hparams, source, advice)
         required = [
             name
             for name, parameter in inspect.signature(cls.__init__).parameters.items()
@@ -232,12 +247,12 @@ class BackboneModule(L.LightningModule):
         missing = [name for name in required if name not in hparams]
         if missing:
             raise ValueError(
-                f"checkpoint {path} lacks the hyper-parameters {', '.join(missing)} that {cls.__name__} "
+                f"{source} lacks the hyper-parameters {', '.join(missing)} that {cls.__name__} "
                 "takes (saved by another module or version?): pass them to load_from_checkpoint as keyword "
                 "arguments"
             )
         for group in (group for group in FORMER_PARTIALS if group not in settings):  # those from the file
-            check_stored_partial(hparams[group], group, f"checkpoint {path}")
+            check_stored_partial(hparams[group], group, source)
         return settings | {group: hparams[group] for group in FORMER_PARTIALS}
 
     def trainable_parameters(self) -> list[nn.Parameter]:

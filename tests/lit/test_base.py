@@ -237,5 +237,8 @@ def test_a_checkpoint_whose_optimiser_names_other_code_is_refused_by_load_from_c
     hparams = {**module.hparams, group: partial}
     checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": hparams}
     torch.save({**checkpoint, "pytorch-lightning_version": L.__version__}, path)
-    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(path))} names model.{group} `_target_: "):
+    refused = rf"^checkpoint {re.escape(str(path))} names model.{group} `_target_: "
+    with pytest.raises(ValueError, match=refused):
         FlowModule.load_from_checkpoint(path, weights_only=True)
+    with open(path, "rb") as file, pytest.raises(ValueError, match=refused):  # a file object too
+        FlowModule.load_from_checkpoint(file, weights_only=True)
