@@ -18,10 +18,11 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
 - `row`: a table row's overrides. They are added to the job's own command-line overrides (a sweep's `params`),
   except those that set up the pipeline job itself (task, name, seed, logger, experiment, protocol, sweep,
   pipeline.*, hydra.*). A row's override goes to every stage and evaluation (the network is the same through
-  the protocol), except that `model.<key>` goes only where the stage's model has `<key>` (`model.mask_ratio`
-  to the MCVA stage, `model.optimizer.lr` everywhere) and `model=<name>` only to the pretraining stages (a row
-  chooses the pretraining objective; the supervised stages stay `model=flow`). What a stage did not take is
-  listed in its record (`dropped`).
+  the protocol), except that a dotted key goes only where the run's config has it (`model.mask_ratio` to the
+  MCVA stage, `model.optimizer.lr` and `backbone.*` everywhere) and `model=<name>` only to the pretraining
+  stages (a row chooses the pretraining objective; the supervised stages stay `model=flow`). What a run did
+  not take is listed in its record (`dropped`). The job's own config must accept the row's keys too: a
+  protocol that pretrains selects its pretraining model (`model: mcva`), so that MCVA knobs compose.
 - `resume`: the run directory of an earlier run of the same pipeline (in a multirun: its sweep directory,
   each job finds its own). Finished stages are skipped, an interrupted stage resumes exactly from its
   last.ckpt (`ckpt_path`; its earlier directory is kept as `<stage>.interrupted[-n]`), unfinished evaluations
@@ -164,15 +165,22 @@ def row_overrides(cfg: DictConfig) -> list[str]:
 
 
 def takes(override: str, probe: DictConfig) -> bool:
-    """Whether a run composed as `probe` takes a row's override: model=<name> only a pretraining run,
-    model.<key> only a run whose model has <key>, anything else every run."""
+    """Whether a run composed as `probe` takes a row's override: model=<name> only a pretraining run; a dotted
+    key (model.mask_ratio, data.val_batch_size) only a run whose config has it; anything else (a group choice
+    such as backbone=small, a +key addition) every run."""
     key = override_key(override)
     if key == "model":
         return probe.task == "pretrain"
-    if key.startswith("model."):
-        found = OmegaConf.select(probe, key, default=_ABSENT, throw_on_resolution_failure=False)
-        return found is not _ABSENT
-    return True
+    if "." not in key or override.startswith("+"):
+        return True
+    return OmegaConf.select(probe, key, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT
+
+
+def path_value(path: str | Path) -> str:
+    """A path as an override's value, quoted: a multirun job's folder holds `=` and `,` (e.g.
+    `0_model.mask_ratio=0.7,backbone.agt_depth=1`), which an unquoted value cannot."""
+    quote = "'" if "'" not in str(path) else '"'
+    return f"{quote}{path}{quote}"
 
 
 def file_sha256(path: str | Path) -> str:
@@ -253,17 +261,17 @@ class Pipeline:
         atomic_write_text(self.run_dir / RECORD, json.dumps(self.record, indent=2))
 
     def pass_through(self, output_dir: Path) -> list[str]:
-        """This job's seed, name, paths and logger, for every run of the pipeline."""
+        """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline."""
         cfg = self.cfg
         through = [
             f"seed={cfg.seed}",
             f"name={cfg.name}",
-            f"paths.root_dir={cfg.paths.root_dir}",
-            f"paths.output_dir={output_dir}",
+            f"paths.root_dir={path_value(cfg.paths.root_dir)}",
+            f"paths.output_dir={path_value(output_dir)}",
         ]
         if HydraConfig.initialized():
             choice = HydraConfig.get().runtime.choices.get("logger")
-            through.append(f"logger={choice}" if choice else "logger=null")
+            through.append(f"logger={choice}" if choice else "~logger")
         return through
 
     def compose(self, head: list[str], handoff: list[str], output_dir: Path) -> tuple[DictConfig, list, list]:
@@ -296,7 +304,7 @@ class Pipeline:
         resumed from its last.ckpt when it was interrupted, else run; returns its last.ckpt."""
         entry = self.record["stages"][index - 1]
         stage_dir = self.run_dir / stage.name
-        handoff = [] if init_from is None else [f"model.init_from={init_from}"]
+        handoff = [] if init_from is None else [f"model.init_from={path_value(init_from)}"]
         stage_cfg, overrides, dropped = self.compose([*self.shared, *stage.overrides], handoff, stage_dir)
         self.configs[stage.name] = stage_cfg
         init_sha = None if init_from is None else file_sha256(init_from)
@@ -364,7 +372,7 @@ class Pipeline:
         entry = self.record["evaluations"][list(self.evaluate).index(label)]
         eval_dir = self.run_dir / f"eval_{label}"
         head = [*self.shared, "task=eval", *self.evaluate[label]]
-        eval_cfg, overrides, dropped = self.compose(head, [f"eval.checkpoint={checkpoint}"], eval_dir)
+        eval_cfg, overrides, dropped = self.compose(head, [f"eval.checkpoint={path_value(checkpoint)}"], eval_dir)
         with open_dict(eval_cfg):
             eval_cfg.backbone = OmegaConf.create(OmegaConf.to_container(backbone, resolve=True))
         self.configs[f"eval_{label}"] = eval_cfg
@@ -401,9 +409,12 @@ class Pipeline:
             yield
             status = "done"
         except Exception as error:
-            status, error_line = "failed", f"{type(error).__name__}: {error}"
-            if find_user_error(error) is None:
+            cause = find_user_error(error)
+            if cause is None:
                 log.error("pipeline: %s failed", where, exc_info=error)
+            cause = cause or error
+            status = "failed"
+            error_line = f"{type(cause).__name__}: " + " ".join(line.strip() for line in str(cause).splitlines())
             raise PipelineStageError(
                 f"pipeline {where} failed: {error_line}; the finished stages are kept in {self.run_dir} "
                 f"({RECORD}); continue with pipeline.resume={self.run_dir}"
