@@ -179,3 +179,37 @@ def test_resume_refuses_other_overrides_and_missing_checkpoints(uninterrupted, t
     with pytest.raises(pipeline.StaleResumeError, match="stage 1/2 first finished, but its checkpoint .* is missing"):
         run_pipeline(tmp_path / "missing", f"pipeline.resume={copy}")
     assert record(copy)["stages"][1]["status"] == "done"  # nothing ran
+
+
+# Each protocol's stages as (name, task, variant, steps), and its evaluations' tiling: the paper's numbers.
+PROTOCOLS = {
+    "paper_ablation": ([("chairs", "train", "flowformer", 100000), ("things", "train", "flowformer", 60000)], [False, True]),
+    "paper_gma": ([("chairs", "train", "flowformer", 120000), ("things", "train", "flowformer", 120000)], [False, True]),
+    "main_ct": ([("chairs", "train", "flowformer", 120000), ("things", "train", "flowformer", 120000)], [False, True]),
+    "mcva_ablation": (
+        [
+            ("mcva_pretrain", "pretrain", "flowformer_pp", 50000),
+            ("chairs", "train", "flowformer_pp", 120000),
+            ("things", "train", "flowformer_pp", 120000),
+        ],
+        [False, True],
+    ),
+    "main_ctskh": (
+        [(name, "train", "flowformer", 120000) for name in ("chairs", "things", "sintel")],
+        [False, False],
+    ),
+}
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_the_paper_protocols_compose_with_their_schedules(protocol, tmp_path):
+    stages, tiling = PROTOCOLS[protocol]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"protocol={protocol}", f"paths.root_dir={tmp_path}"])
+        runs = pipeline.Pipeline(cfg, tmp_path, pipeline.read_stages(cfg.pipeline))
+        composed = []
+        for stage in runs.stages:
+            stage_cfg, _, _ = runs.compose([*runs.shared, *stage.overrides], [], tmp_path / stage.name)
+            composed.append((stage.name, stage_cfg.task, stage_cfg.backbone.variant, stage_cfg.trainer.max_steps))
+        tiles = [runs.compose([*runs.shared, "task=eval", *e], [], tmp_path)[0].eval.tile for e in runs.evaluate.values()]
+    assert (cfg.task, cfg.name, composed, tiles) == ("pipeline", protocol, stages, tiling)
