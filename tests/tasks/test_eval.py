@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.eval.padding import InputPadder
-from flowformer.eval.protocol import EvalSet, Protocol, forward_project
+from flowformer.eval.protocol import EvalSet, Protocol, WarmStart, forward_project
 from flowformer.metrics import FlowMetrics, NothingScoredError
 from flowformer.models import save_backbone
 from flowformer.tasks.eval import evaluate_set, format_table, run
@@ -325,3 +325,37 @@ def test_evaluation_shows_a_progress_bar_with_pairs_per_second_and_time_left(cap
     flow_set, protocol = ConstantFlowSet([(16, 16)] * 3), Protocol(kind="flow", iters=1)
     evaluate_set(RecordingNet((0.0, 0.0)), flow_set, protocol, name="demo", device=CPU)
     assert re.search(r"demo .* 3/3 .*pairs/s \d+:\d\d:\d\d", capsys.readouterr().out)
+
+
+class InitRecordingNet(nn.Module):
+    """Returns zero flow and a 1/8 flow of (1, 0); records whether each call got a flow_init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: list[bool] = []
+
+    def forward(self, image1: torch.Tensor, image2: torch.Tensor, iters: int, flow_init=None) -> dict:
+        self.started.append(flow_init is not None)
+        b, _, h, w = image1.shape
+        flow_low = torch.zeros(b, 2, h // 8, w // 8)
+        flow_low[:, 0] = 1.0
+        return {"flow": torch.zeros(b, 2, h, w), "flow_low": flow_low}
+
+
+def test_a_warm_start_continues_only_the_next_frame_of_the_same_sequence() -> None:
+    net, warm_start, image = InitRecordingNet(), WarmStart(), torch.zeros(1, 3, 16, 16)
+    sintel = {"dataset": "sintel", "pass": "clean", "scene": "alley_1"}
+    metas = [
+        {**sintel, "frame": 0},
+        {**sintel, "frame": 1},  # continues
+        {**sintel, "frame": 3},  # a frame left out
+        {**sintel, "pass": "final", "frame": 4},  # another pass
+        {**sintel, "pass": "final", "frame": 5},  # continues
+        {**sintel, "scene": "ambush_2", "frame": 6},  # another scene
+        {"dataset": "kitti", "frame_id": "000000_10.png"},  # no frame: pairs of two frames
+        {"dataset": "kitti", "frame_id": "000001_10.png"},
+    ]
+    for meta in metas:
+        warm_start.predict(Protocol(iters=1), net, image, image, meta)
+    assert net.started == [False, True, False, False, True, False, False, False]
+    assert warm_start.continued == 2
