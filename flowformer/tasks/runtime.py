@@ -15,7 +15,7 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -136,7 +136,10 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:
     """The network of `backbone_cfg` on `device` in eval mode, with `checkpoint` (ours, an official .pth or a
-    Lightning .ckpt) loaded strictly; None keeps the random initial weights. Logs its parameter counts."""
+    Lightning .ckpt) loaded strictly; None keeps the initial weights (random, or ImageNet Twins as
+    backbone.twins_weights says: with a checkpoint they are not read). Logs its parameter counts."""
+    if checkpoint is not None:
+        backbone_cfg = OmegaConf.merge(backbone_cfg, {"twins_weights": None})
     net = hydra.utils.instantiate(backbone_cfg)
     log_parameter_counts(parameter_counts(net))
     if checkpoint is not None:

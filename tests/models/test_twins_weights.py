@@ -5,15 +5,18 @@ Nothing here downloads: the hub is put in offline mode and its cache in a tempor
 from pathlib import Path
 
 import huggingface_hub
+import hydra
 import pytest
 import safetensors.torch
 import timm
 import torch
 
+from flowformer.models import save_backbone
 from flowformer.models.encoders import TWINS_IMAGENET_FILE, TwinsEncoder, imagenet_weights_url
 from flowformer.tasks import run_task
+from flowformer.tasks.runtime import load_network
 
-from helpers.compose import compose_run_config
+from helpers.compose import compose_run_config, compose_tiny_config
 
 
 @pytest.fixture
@@ -107,3 +110,14 @@ def test_a_stage_without_network_fails_before_any_work_in_one_line(offline_hub, 
     assert error.startswith("error (FileNotFoundError): backbone.twins_weights=imagenet: timm tried")
     assert error.count("\n") == 1 and "Traceback" not in error
     assert not (tmp_path / "run").exists()  # no run record, no checkpoint folder
+
+
+def test_a_checkpoint_to_run_replaces_the_imagenet_weights_unread(offline_hub, tmp_path):
+    """task=eval / task=infer with an experiment's backbone (twins_weights=imagenet) and a checkpoint: the
+    checkpoint's weights are loaded and the ImageNet weights are not fetched (offline, nothing cached)."""
+    twins = ["backbone.image_encoder=twins", "backbone.feature_dim=256"]
+    backbone = compose_tiny_config(*twins, "backbone.twins_weights=imagenet").backbone
+    trained = hydra.utils.instantiate(backbone, twins_weights=None)
+    save_backbone(tmp_path / "twins.pt", trained)
+    net = load_network(backbone, str(tmp_path / "twins.pt"), torch.device("cpu"))
+    assert all(torch.equal(value, trained.state_dict()[key]) for key, value in net.state_dict().items())
