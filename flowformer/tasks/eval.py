@@ -23,6 +23,8 @@ iterations `iters` (FF: 32 Sintel, 24 KITTI; FF++: 12). Kinds and their metrics 
 `eval.warm_start=true` (not tiled) starts each pair of a sequence (a Sintel scene, in frame order) from the
 previous pair's flow projected forward, as `infer.warm_start` does (`flowformer/eval/protocol.py`).
 A progress bar shows each set's pairs per second and the time left.
+`eval.baselines=[zero,dis]` also scores those methods (`flowformer/eval/baselines.py`) on every scored set, in
+rows `<set> (<method>)` and under `baselines` in the results file.
 Writes `eval.results_json` and prints a table; returns the first scored set's `epe` (for sweepers). An
 existing `eval.results_json` or submission folder is refused before any work unless `eval.overwrite=true`.
 """
@@ -43,7 +45,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from flowformer.eval.protocol import EvalSet, Protocol, WarmStart, require_finite_flow
+from flowformer.eval.baselines import baseline_methods
+from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
@@ -226,7 +229,6 @@ def open_sets(settings: DictConfig) -> dict[str, tuple[Protocol, EvalSet]]:
         )
     run_settings = {
         "tile": bool(settings.tile),
-
         "sigma": float(settings.sigma),
         "min_overlap": int(settings.min_overlap),
         "deduplicate_tiles": bool(settings.deduplicate_tiles),
@@ -252,16 +254,43 @@ def load_eval_network(cfg: DictConfig, device: torch.device) -> nn.Module:
     return net
 
 
+def score_baselines(
+    methods: Mapping[str, FlowNet], sets: Mapping[str, tuple[Protocol, EvalSet]], settings: DictConfig
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{method: {set: metrics}}: each baseline on every scored set, with the set's protocol, on the CPU."""
+    return {
+        method_name: {
+            name: evaluate_set(
+                method,
+                dataset,
+                protocol,
+                name=f"{name} ({method_name})",
+                device=torch.device("cpu"),
+                max_samples=settings.get("max_samples"),
+                num_workers=settings.num_workers,
+            )
+            for name, (protocol, dataset) in sets.items()
+            if not protocol.writes_submission
+        }
+        for method_name, method in methods.items()
+    }
+
+
 def write_results(
-    cfg: DictConfig, results: Mapping[str, Mapping[str, float]], protocols: Mapping[str, Mapping[str, Any]]
+    cfg: DictConfig,
+    results: Mapping[str, Mapping[str, float]],
+    protocols: Mapping[str, Mapping[str, Any]],
+    baselines: Mapping[str, Mapping[str, Mapping[str, float]]],
 ) -> None:
-    """eval.results_json: the checkpoint, the backbone config, every set's metrics and protocol."""
+    """eval.results_json: the checkpoint, the backbone config, every set's metrics and protocol, and the
+    baselines' metrics ({method: {set: metrics}})."""
     output = Path(cfg.eval.results_json)
     record = {
         "checkpoint": cfg.eval.get("checkpoint"),
         "backbone": OmegaConf.to_container(cfg.backbone, resolve=True),
         "results": results,
         "protocol": protocols,
+        "baselines": baselines,
         "notes": {"kitti": KITTI_NOTE, "averaging": "see flowformer/metrics.py"},
     }
     atomic_write_text(output, json.dumps(record, indent=2, default=str))
@@ -288,6 +317,7 @@ def check_outputs(settings: DictConfig, protocols: list[Protocol], submission_di
 def run(cfg: DictConfig) -> float | None:
     settings = cfg.eval
     sets = open_sets(settings)
+    methods = baseline_methods(settings.get("baselines") or [])
     ensure_writable_dir(Path(settings.results_json).parent, "the folder of eval.results_json")
     submission_dir = None
     if settings.get("submission_dir"):
@@ -314,6 +344,10 @@ def run(cfg: DictConfig) -> float | None:
         )
         protocols[name] = {**asdict(protocol), "pairs": len(dataset), "warm_start": settings.warm_start}
 
-    print(format_table(results, {name: protocol.kind for name, (protocol, _) in sets.items()}))
-    write_results(cfg, results, protocols)
+    baselines = score_baselines(methods, sets, settings)
+    rows = dict(results)
+    for method, scores in baselines.items():
+        rows |= {f"{name} ({method})": values for name, values in scores.items()}
+    print(format_table(rows, {name: protocol.kind for name, (protocol, _) in sets.items()}))
+    write_results(cfg, results, protocols, baselines)
     return next((values["epe"] for values in results.values() if "epe" in values), None)
