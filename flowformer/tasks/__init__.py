@@ -71,7 +71,7 @@ def run_task(cfg: DictConfig) -> float | None:
             raise
         if user_error is None or os.environ.get("FLOWFORMER_TRACEBACK"):
             traceback.print_exception(error)
-        error_line = report(user_error or error)
+        error_line = report_error(user_error or error)
         if user_error is not None and HydraConfig.initialized() and not joins_existing_run():
             remove_if_unused(Path(HydraConfig.get().runtime.output_dir), Path(cfg.paths.log_dir))
         if in_multirun():
@@ -89,7 +89,7 @@ def task_module(task: object) -> ModuleType:
     return importlib.import_module(f"flowformer.tasks.{task}")
 
 
-def report(error: BaseException) -> str:
+def report_error(error: BaseException) -> str:
     """The error once on stderr, and into the log files (run.log) without repeating it on the console; returns
     the line."""
     message = f"error ({type(error).__name__}): {error}"

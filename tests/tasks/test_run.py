@@ -1,6 +1,7 @@
 """run.py end to end in subprocesses (tiny backbone, small synthetic data, CPU): run records, checkpoints,
 stage chaining, resume with its wandb run (offline), multirun sweeps and clean errors."""
 
+import importlib
 import json
 import logging
 
@@ -10,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from omegaconf import OmegaConf
 
+from flowformer.tasks import run_task
 from flowformer.tasks.run_setup import build_callbacks, warn_random_twins
 
 from helpers.compose import compose_run_config
@@ -146,3 +148,13 @@ def test_twins_from_random_weights_in_a_fresh_run_is_one_warning(caplog):
     assert line.startswith("backbone.twins_weights is null and nothing initialises the network")
     assert "1.29" in line and "set backbone.twins_weights=imagenet" in line
     assert warnings == {name: [] for name in warnings}
+
+
+def test_user_errors_are_reported_once_task_reports_module_is_imported(capsys):
+    """flowformer.tasks.report (task=report) imported, as by run.py task=report or the test session, becomes the
+    package's attribute `report`; run_task's error line does not go through that name."""
+    importlib.import_module("flowformer.tasks.report")
+    with pytest.raises(SystemExit) as exited:
+        run_task(compose_run_config(["task=nonsense"]))
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.startswith("error (ValueError): task='nonsense' is unknown")
