@@ -1,8 +1,8 @@
 """task=pipeline: stages chained through last.ckpt, a table's rows as one multirun, the record, exact resume,
 stale checkpoints refused and a failing stage reported in one line.
 
-The multirun goes through run.py (Hydra's sweep, the failed-job record); the resume tests run pipelines in this
-process on two short supervised stages of protocol=smoke."""
+The multirun goes through run.py (Hydra's sweep, the failed-job record); the resume tests continue copies of its
+first job in this process."""
 
 import json
 import shutil
@@ -88,54 +88,59 @@ def test_a_failing_stage_stops_its_pipeline_in_one_line_and_keeps_the_finished_s
     assert "Traceback" not in result.stderr
 
 
-# Two supervised stages of protocol=smoke, the second one 4 steps long, evaluated without tiling.
-SUPERVISED = [
-    "task=train",
-    "model=flow",
-    "data=synthetic",
-    "model.train_iters=2",
-    "trainer.val_check_interval=2",
-    "trainer.limit_val_batches=1",
-    "data.val_batch_size=2",
-    "data.val.synthetic.dataset.num_samples=2",
-    "model.num_val_panels=0",
-]
-STAGES = [
-    {"name": "first", "overrides": SUPERVISED},
-    {"name": "second", "overrides": [*SUPERVISED, "trainer.max_steps=4", "callbacks.last_checkpoint.every_n_train_steps=100"]},
-]
+def test_a_sweep_run_again_with_pipeline_resume_continues_each_job_where_it_stopped(sweep, tmp_path):
+    _, sweep_dir, jobs = sweep
+    before = record(jobs[0])
+    again = run_py(
+        "-m", "task=pipeline", "protocol=smoke", *ROWS, f"pipeline.resume={sweep_dir}", f"hydra.sweep.dir={tmp_path}",
+        expect_ok=False,
+    )
+    output = again.stdout + again.stderr
+    # each job found its own pipeline in the sweep directory: the finished work is kept, the failed stage runs again
+    assert output.count("pipeline: stage 1/3 pretrain finished already") == 2
+    assert "pipeline: evaluation tiled finished already" in output
+    assert record(jobs[0])["stages"] == before["stages"]
+    assert record(jobs[1])["stages"][1]["status"] == "failed"
+    assert [job["job"] for job in failed_jobs(tmp_path)] == [1]
 
 
-def run_pipeline(run_dir: Path, *overrides: str) -> dict:
-    """task=pipeline of STAGES in this process, writing to run_dir (or the run pipeline.resume names)."""
+def copy_of_job(job: Path, copy: Path, unfinished: tuple[str, ...] = ()) -> Path:
+    """The pipeline of a job copied to `copy` (its record's paths with it), its stages named in `unfinished` and
+    its evaluations taken back to not started, as if it had stopped before them."""
+    shutil.copytree(job, copy)
+    copied = json.loads((copy / pipeline.RECORD).read_text().replace(str(job), str(copy)))
+    for key, entries in (("name", copied["stages"]), ("label", copied["evaluations"])):
+        for index, entry in enumerate(entries):
+            if key == "label" or entry["name"] in unfinished:
+                shutil.rmtree(entry["dir"])
+                entries[index] = {key: entry[key], "dir": entry["dir"], "status": "pending", "resumed_from": [], "wall_s": None}
+    (copy / pipeline.RECORD).write_text(json.dumps(copied))
+    return copy
+
+
+def resume(run_dir: Path, row: list[str]) -> dict:
+    """task=pipeline protocol=smoke pipeline.resume=run_dir with that row, in this process; its record."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             "config",
             overrides=[
                 "protocol=smoke",
                 f"paths.root_dir={run_dir.parent}",
-                f"paths.output_dir={run_dir}",
-                *overrides,
+                f"paths.output_dir={run_dir.parent / 'resuming'}",
+                f"pipeline.resume={run_dir}",
             ],
         )
         with open_dict(cfg):
-            cfg.pipeline.stages = STAGES
-            cfg.pipeline.evaluate = {"plain": cfg.pipeline.evaluate.plain}
+            cfg.pipeline.row = row
         pipeline.run(cfg)
-    return record(run_dir if not cfg.pipeline.resume else Path(cfg.pipeline.resume))
+    return record(run_dir)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    return run_dir, run_pipeline(run_dir)
-
-
-def stop_second_stage_at_step(step: int, real_fit=pipeline.fit):
-    """pipeline's fit, with a real SIGTERM to this process during step `step` + 1 of the stage `second`."""
+def stop_stage_at_step(name: str, step: int, real_fit=pipeline.fit):
+    """pipeline's fit, with a real SIGTERM to this process during step `step` + 1 of the stage `name`."""
 
     def fit(cfg):
-        if Path(cfg.paths.output_dir).name == "second":
+        if Path(cfg.paths.output_dir).name == name:
             with open_dict(cfg):
                 cfg.callbacks.stop = {"_target_": "helpers.faults.SignalAtStep", "step": step, "signal_name": "SIGTERM"}
         return real_fit(cfg)
@@ -143,42 +148,42 @@ def stop_second_stage_at_step(step: int, real_fit=pipeline.fit):
     return fit
 
 
-def test_an_interrupted_pipeline_resumes_to_the_uninterrupted_result(uninterrupted, tmp_path, monkeypatch, caplog):
-    run_dir = tmp_path / "run"
-    monkeypatch.setattr(pipeline, "fit", stop_second_stage_at_step(1))
+def test_an_interrupted_pipeline_resumes_to_the_uninterrupted_result(sweep, tmp_path, monkeypatch, caplog):
+    """The multirun's first job, stopped by SIGTERM during step 1 of its last stage and resumed, ends as it did."""
+    job = sweep[2][0]
+    reference = record(job)
+    run_dir = copy_of_job(job, tmp_path / "run", unfinished=("things",))
+    monkeypatch.setattr(pipeline, "fit", stop_stage_at_step("things", 0))
     with pytest.raises(StoppedBySignal):
-        run_pipeline(run_dir)
+        resume(run_dir, reference["row"])
     stopped = record(run_dir)
-    assert [stage["status"] for stage in stopped["stages"]] == ["done", "stopped"]
+    assert [stage["status"] for stage in stopped["stages"]] == ["done", "done", "stopped"]
     assert stopped["status"] == "stopped"
     monkeypatch.undo()
 
     caplog.set_level("INFO", logger=pipeline.__name__)
-    resumed = run_pipeline(tmp_path / "resuming", f"pipeline.resume={run_dir}")
-    assert "pipeline: stage 1/2 first finished already" in caplog.text
-    assert resumed["stages"][1]["resumed_from"] == [str(run_dir / "second.interrupted" / "checkpoints" / "last.ckpt")]
+    resumed = resume(run_dir, reference["row"])
+    assert "pipeline: stage 2/3 chairs finished already" in caplog.text
+    assert resumed["stages"][2]["resumed_from"] == [str(run_dir / "things.interrupted" / "checkpoints" / "last.ckpt")]
     assert resumed["status"] == "done"
-    # the same numbers as the pipeline that was never stopped: the last stage's last values and the evaluation
-    reference = uninterrupted[1]
-    assert resumed["stages"][1]["metrics"] == reference["stages"][1]["metrics"]
-    assert json.loads(Path(resumed["evaluations"][0]["results_json"]).read_text())["results"] == json.loads(
-        Path(reference["evaluations"][0]["results_json"]).read_text()
-    )["results"]
+    # the same numbers as the pipeline that was never stopped: the last stage's last values and the evaluations
+    assert resumed["stages"][2]["metrics"] == reference["stages"][2]["metrics"]
+    for ours, theirs in zip(resumed["evaluations"], reference["evaluations"], strict=True):
+        results = [json.loads(Path(e["results_json"]).read_text())["results"] for e in (ours, theirs)]
+        assert results[0] == results[1]
     assert resumed["metric"] == reference["metric"]
 
 
-def test_resume_refuses_other_overrides_and_missing_checkpoints(uninterrupted, tmp_path):
-    run_dir, _ = uninterrupted
-    with pytest.raises(pipeline.StaleResumeError, match="stage 1/2 first ran with the overrides"):
-        run_pipeline(tmp_path / "other", f"pipeline.resume={run_dir}", "pipeline.row=['model.optimizer.lr=1.0e-3']")
-    copy = tmp_path / "copy"
-    shutil.copytree(run_dir, copy)
-    text = (copy / pipeline.RECORD).read_text().replace(str(run_dir), str(copy))
-    (copy / pipeline.RECORD).write_text(text)
-    (copy / "first" / "checkpoints" / "last.ckpt").unlink()
-    with pytest.raises(pipeline.StaleResumeError, match="stage 1/2 first finished, but its checkpoint .* is missing"):
-        run_pipeline(tmp_path / "missing", f"pipeline.resume={copy}")
-    assert record(copy)["stages"][1]["status"] == "done"  # nothing ran
+def test_resume_refuses_other_overrides_and_missing_checkpoints(sweep, tmp_path):
+    job = sweep[2][0]
+    row = record(job)["row"]
+    run_dir = copy_of_job(job, tmp_path / "run")
+    with pytest.raises(pipeline.StaleResumeError, match="stage 1/3 pretrain ran with the overrides"):
+        resume(run_dir, [*row, "model.optimizer.lr=1.0e-3"])
+    (run_dir / "chairs" / "checkpoints" / "last.ckpt").unlink()
+    with pytest.raises(pipeline.StaleResumeError, match="stage 2/3 chairs finished, but its checkpoint .* is missing"):
+        resume(run_dir, row)
+    assert not (run_dir / "things.interrupted").exists() and record(run_dir)["stages"][2]["status"] == "done"
 
 
 # Each protocol's stages as (name, task, variant, steps), and its evaluations' tiling: the paper's numbers.
@@ -206,10 +211,10 @@ def test_the_paper_protocols_compose_with_their_schedules(protocol, tmp_path):
     stages, tiling = PROTOCOLS[protocol]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"protocol={protocol}", f"paths.root_dir={tmp_path}"])
-        runs = pipeline.Pipeline(cfg, tmp_path, pipeline.read_stages(cfg.pipeline))
-        composed = []
-        for stage in runs.stages:
-            stage_cfg, _, _ = runs.compose([*runs.shared, *stage.overrides], [], tmp_path / stage.name)
+        composed, tiles = [], []
+        for stage in pipeline.read_stages(cfg.pipeline):
+            stage_cfg = compose("config", overrides=[*cfg.pipeline.shared, *stage.overrides])
             composed.append((stage.name, stage_cfg.task, stage_cfg.backbone.variant, stage_cfg.trainer.max_steps))
-        tiles = [runs.compose([*runs.shared, "task=eval", *e], [], tmp_path)[0].eval.tile for e in runs.evaluate.values()]
+        for overrides in cfg.pipeline.evaluate.values():
+            tiles.append(compose("config", overrides=[*cfg.pipeline.shared, "task=eval", *overrides]).eval.tile)
     assert (cfg.task, cfg.name, composed, tiles) == ("pipeline", protocol, stages, tiling)
