@@ -16,15 +16,13 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
 
 from flowformer.data.io import write_image
-from flowformer.metrics import FlowMetrics
+from flowformer.eval.baselines import baseline_methods
 from flowformer.models.output_files import atomic_write_text
-from flowformer.tasks.eval import open_sets
+from flowformer.tasks.eval import open_sets, score_baselines
 from flowformer.tasks.pipeline import Pipeline, read_stages
 from flowformer.tasks.runtime import load_network, pick_device
 from flowformer.viz import flow_panel, stack_panels
@@ -34,12 +32,11 @@ log = logging.getLogger(__name__)
 PANEL = "heldout_pairs.png"
 
 
-def zero_flow_epe(dataset_cfg: DictConfig) -> float:
-    """EPE of predicting zero flow on the evaluation set, with the same (pixel-pooled) metric."""
-    metric = FlowMetrics()
-    for batch in DataLoader(hydra.utils.instantiate(dataset_cfg), batch_size=4):
-        metric.update(torch.zeros_like(batch["flow"]), batch["flow"], batch["valid"])
-    return float(metric.compute()["epe"])
+def zero_flow_epe(eval_cfg: DictConfig) -> float:
+    """EPE of zero flow on the evaluation's first set, scored as the evaluation scores the model: task=eval's
+    `zero` baseline (eval.baselines)."""
+    name, pair = next(iter(open_sets(eval_cfg.eval).items()))
+    return score_baselines(baseline_methods(["zero"]), {name: pair}, eval_cfg.eval)["zero"][name]["epe"]
 
 
 def write_heldout_panel(eval_cfg: DictConfig, path: Path, pairs: int) -> None:
@@ -81,7 +78,7 @@ def run(cfg: DictConfig) -> float:
     if settings.compare_from_scratch:
         records["from_scratch"] = Pipeline(cfg, run_dir / "from_scratch", stages[1:]).run()
     eval_cfg = pipeline.configs[f"eval_{next(iter(pipeline.evaluate))}"]
-    zero = zero_flow_epe(eval_cfg.eval.benchmarks.synthetic.dataset)
+    zero = zero_flow_epe(eval_cfg)
     write_heldout_panel(eval_cfg, run_dir / PANEL, settings.panel_pairs)
 
     epe = {label: record["metric"] for label, record in records.items()}
