@@ -49,6 +49,7 @@ The record, `<run dir>/pipeline.json` (rewritten atomically at every change; tas
                                                         # name, logger and paths (its command line)
           "dropped": [...],                             # row overrides this stage did not take
           "init_from": "<previous last.ckpt>" | null,
+          "init_from_sha256": "<hex>" | null,           # that checkpoint as this stage started from it
           "status": "pending" | "running" | "done" | "failed" | "stopped",
           "checkpoint": "<dir>/checkpoints/last.ckpt" | null,
           "checkpoint_sha256": "<hex>" | null,
@@ -62,7 +63,7 @@ The record, `<run dir>/pipeline.json` (rewritten atomically at every change; tas
         {
           "label": "plain", "dir": "<run dir>/eval_plain", "overrides": [...], "dropped": [...],
           "status": "pending" | "running" | "done" | "failed" | "stopped",
-          "checkpoint": "<last stage's last.ckpt>",
+          "checkpoint": "<last stage's last.ckpt>", "checkpoint_sha256": "<hex>",
           "results_json": "<dir>/eval_results.json",    # task=eval's results (flowformer/tasks/eval.py)
           "wall_s": <seconds> | null, "error": "<one line>" | null
         }, ...
@@ -90,6 +91,7 @@ from flowformer.lit.checkpointing import last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
+from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import in_multirun
 from flowformer.tasks.train import fit
 
@@ -156,6 +158,11 @@ def override_key(override: str) -> str:
 
 def row_overrides(cfg: DictConfig) -> list[str]:
     """pipeline.row, then the job's command-line overrides that are not about the pipeline job itself."""
+    if cfg.get("ckpt_path"):
+        raise ValueError(
+            f"ckpt_path={cfg.ckpt_path} resumes one training run; a pipeline resumes with pipeline.resume=<its run "
+            "directory>, which resumes its interrupted stage from that stage's last.ckpt"
+        )
     job: list[str] = []
     if HydraConfig.initialized():
         for override in HydraConfig.get().overrides.task:
@@ -289,13 +296,13 @@ class Pipeline:
 
     def run(self) -> dict[str, Any]:
         """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_writable_dir(self.run_dir, "the pipeline's run directory")
         checkpoint: Path | None = None
         for index, stage in enumerate(self.stages, 1):
             checkpoint = self.run_stage(index, stage, checkpoint)
         backbone = self.configs[self.stages[-1].name].backbone
-        metrics = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
-        self.record.update(status="done", metric=metrics[0] if metrics else None)
+        first_epes = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
+        self.record.update(status="done", metric=first_epes[0] if first_epes else None)
         self.save()
         return self.record
 

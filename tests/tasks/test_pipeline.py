@@ -186,6 +186,22 @@ def test_resume_refuses_other_overrides_and_missing_checkpoints(sweep, tmp_path)
     assert not (run_dir / "things.interrupted").exists() and record(run_dir)["stages"][2]["status"] == "done"
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["ckpt_path=/x/last.ckpt"], "ckpt_path=/x/last.ckpt resumes one training run; a pipeline resumes with"),
+        (["pipeline.stages=[chairs,chairs]"], r"stage names \['chairs'\] do not fit: each names the stage's folder"),
+        (["pipeline.stages=[]"], "pipeline.stages is empty: choose a protocol"),
+        (["pipeline.resume=/nowhere"], "pipeline.resume=/nowhere: /nowhere/pipeline.json does not exist"),
+    ],
+)
+def test_settings_that_cannot_make_a_pipeline_are_refused_before_any_work(overrides, message, tmp_path):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["protocol=smoke", f"paths.output_dir={tmp_path}", *overrides])
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            pipeline.run(cfg)
+    assert list(tmp_path.iterdir()) == []
+
 # Each protocol's stages as (name, task, variant, steps), and its evaluations' tiling: the paper's numbers.
 PROTOCOLS = {
     "paper_ablation": ([("chairs", "train", "flowformer", 100000), ("things", "train", "flowformer", 60000)], [False, True]),
