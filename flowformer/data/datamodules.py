@@ -172,7 +172,8 @@ class FlowDataModule(_TrainingData):
 
 
 class PretrainDataModule(_TrainingData):
-    """Unlabeled image pairs for MCVA pretraining (YouTube-VOS, a video folder or synthetic clips).
+    """Unlabeled image pairs for MCVA pretraining (YouTube-VOS, a video folder, or synthetic clips textured
+    procedurally or with photographs: data=synthetic_video, data=image_folder_video).
 
     The official recipe (FlowFormer++ ``pretrain_FlowFormer_maemask.py``): batch 24, shuffle, drop_last,
     368x496 crops. There is no validation set. ``num_workers``, ``pin_memory``, ``persistent_workers``: the
