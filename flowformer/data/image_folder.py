@@ -9,8 +9,8 @@ FlyingChairs is this kind of data (chairs over Flickr photographs).
   recursively; with ``root`` null, photographs that ship inside scikit-image (:data:`SKIMAGE_PHOTOS`), so
   nothing is downloaded.
 - ``split`` ``train`` or ``val``: the files are ordered by a hash of their path relative to the root and
-  the first ``max(1, round(n * val_fraction))`` are held out for ``val``. A file is in one split only,
-  whatever the render size, so a validation scene never shows a photograph the training scenes use.
+  the first ``round(n * val_fraction)`` (at least 1, at most n - 1) are held out for ``val``. A file is in
+  one split only, whatever the render size, so a validation scene never shows a training photograph.
 - Images smaller than the render size are skipped, with one warning line counting them; so are files whose
   header cannot be read. A file that fails to decode later is replaced by the next one, with a warning.
 - Each layer crops a window ``zoom`` times the render size (log-uniform in ``[1, max_zoom]``, as far as the
@@ -85,7 +85,10 @@ def skimage_photo_dir() -> Path:
 def find_images(root: Path, owner: str) -> list[Path]:
     """Every image file under ``root`` (recursive), sorted; one-line ImageFolderError when there is none."""
     if not root.exists():
-        raise ImageFolderError(f"{owner}: the image folder {root} does not exist; set the dataset's root")
+        raise ImageFolderError(
+            f"{owner}: the image folder {root} does not exist; set the dataset's root (data.train.root with "
+            "data=image_folder)"
+        )
     if not root.is_dir():
         raise ImageFolderError(f"{owner}: the image folder {root} is not a folder; set root to a folder")
 
@@ -111,7 +114,7 @@ def find_images(root: Path, owner: str) -> list[Path]:
 
 def split_files(files: list[Path], root: Path, split: str, val_fraction: float, owner: str) -> list[Path]:
     """The files of ``split``: ordered by the SHA-1 of their path relative to ``root``, the first
-    ``max(1, round(n * val_fraction))`` are ``val``, the others ``train`` (each file in one split only)."""
+    ``round(n * val_fraction)`` (at least 1, at most n - 1) are ``val``, the others ``train``."""
     if split not in SPLITS:
         raise ValueError(f"{owner}: split must be one of {SPLITS}, got {split!r}")
     if not 0 < val_fraction < 1:
@@ -120,11 +123,12 @@ def split_files(files: list[Path], root: Path, split: str, val_fraction: float, 
         raise ImageFolderError(
             f"{owner}: {root} holds {len(files)} image; a train and a val split need at least 2 images"
         )
+
     def key(path: Path) -> bytes:
         return hashlib.sha1(path.relative_to(root).as_posix().encode()).digest()
 
     ordered = sorted(files, key=key)
-    held_out = max(1, round(len(files) * val_fraction))
+    held_out = min(max(1, round(len(files) * val_fraction)), len(files) - 1)
     return ordered[:held_out] if split == "val" else ordered[held_out:]
 
 
