@@ -334,8 +334,8 @@ def status_counts(rows: list[dict[str, Any]]) -> str:
 
 
 def cell(value: float | None, published: float | None, diff: float | None) -> str:
-    """`measured / published (difference)`, as much of it as is known."""
-    text = "" if value is None else f"{value:.2f}"
+    """`measured / published (difference)`, as much of it as is known (`-`: not measured)."""
+    text = "-" if value is None else f"{value:.2f}"
     if published is not None:
         text += f" / {published:.2f}" + ("" if diff is None else f" ({diff:+.2f})")
     return text
@@ -359,7 +359,7 @@ def markdown(title: str, table: dict[str, Any] | None, columns: list[str], rows:
         params = cell(params, paper_params, difference(params, paper_params))
         train = "" if row["train_s"] is None else str(timedelta(seconds=round(row["train_s"])))
         lines.append("| " + " | ".join([*cells, params, train]) + " |")
-    errors = [f"- {row['job']}: {row['error']}" for row in rows if row["error"]]
+    errors = [f"- {row['job']}: {row['error'].splitlines()[0]}" for row in rows if row["error"]]
     if errors:
         lines += ["", "Errors:", "", *errors]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,108 @@
+"""task=report: a table's rows trained by one multirun of the smoke protocol come out as one report row per job,
+with the measured values, the paper's numbers of the job's row and their difference, the parameter count and
+training time, and the failed job listed as failed; jobs are matched to the paper's rows by their overrides."""
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from flowformer.tasks import report
+
+from helpers.compose import compose_tiny_config
+from helpers.configs import CONF_DIR, REPO_DIR
+from helpers.run import run_py
+
+
+def report_config(runs, *overrides):
+    return compose_tiny_config("task=report", f"report.runs={runs}", f"paths.root_dir={REPO_DIR}", *overrides)
+
+
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory):
+    """`python run.py -m task=pipeline protocol=smoke sweep=paper_tile` with a third job naming no row of the
+    table (it fails before training), then task=report on its directory."""
+    sweep = tmp_path_factory.mktemp("sweep")
+    result = run_py(
+        "-m",
+        "task=pipeline",
+        "protocol=smoke",
+        "sweep=paper_tile",
+        "pipeline.paper_row=tile,no_tile,no_such_row",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        expect_ok=False,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # the sweep names its failed job
+    report.run(report_config(sweep))
+    with (sweep / "report.csv").open(newline="") as file:
+        rows = {row["job"]: row for row in csv.DictReader(file)}
+    return sweep, rows
+
+
+def test_each_job_is_a_row_beside_its_papers_numbers(table_run):
+    sweep, rows = table_run
+    published = yaml.safe_load((CONF_DIR / "paper" / "paper_tile.yaml").read_text())["rows"]
+    assert published["tile"]["published"]["sintel_clean/epe"] == 0.94  # the paper's FlowFormer, tiled
+    assert list(rows) == ["pipeline.paper_row=tile", "pipeline.paper_row=no_tile", "pipeline.paper_row=no_such_row"]
+    for job, name in enumerate(["tile", "no_tile"]):
+        row = rows[f"pipeline.paper_row={name}"]
+        assert row["status"] == "done" and row["paper_row"] == published[name]["label"]
+        for column, number in published[name]["published"].items():
+            assert float(row[f"{column} paper"]) == number
+            assert row[column] == row[f"{column} diff"] == ""  # not measured: no Sintel in the smoke protocol
+        record = json.loads((sweep / str(job) / "pipeline.json").read_text())
+        plain = json.loads((sweep / str(job) / "eval_plain" / "eval_results.json").read_text())["results"]
+        tiled = json.loads((sweep / str(job) / "eval_tiled" / "eval_results.json").read_text())["results"]
+        assert float(row["synthetic/epe"]) == pytest.approx(plain["synthetic"]["epe"])
+        assert float(row["tiled:synthetic/f1_all"]) == pytest.approx(tiled["synthetic"]["f1_all"])
+        assert row["synthetic/epe paper"] == row["synthetic/epe diff"] == ""  # no paper number for it
+        last_stage = json.loads((sweep / str(job) / "things" / "run_info.json").read_text())
+        assert float(row["params_m"]) == pytest.approx(last_stage["parameters"]["total"] / 1e6)
+        assert float(row["train_s"]) == pytest.approx(sum(stage["wall_s"] for stage in record["stages"]))
+
+
+def test_a_failed_job_is_listed_as_failed(table_run):
+    sweep, rows = table_run
+    failed = rows["pipeline.paper_row=no_such_row"]
+    assert failed["status"] == "failed" and "no_such_row" in failed["error"]
+    assert failed["paper_row"] == failed["synthetic/epe"] == ""
+    text = (sweep / "report.md").read_text()
+    assert "FlowFormer with v.s. without tile" in text and "2 done, 1 failed" in text
+    assert "| pipeline.paper_row=no_such_row | failed |" in text
+    assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_job_is_the_row_whose_overrides_it_has():
+    table = report.load_table(CONF_DIR / "paper", "mcva_masking", explicit=True)
+
+    def job(*overrides):
+        return report.Job(name="0", directory=None, overrides=list(overrides), row=list(overrides))
+
+    assert report.match_row(table, job("model.mask_ratio=0.50", "model.masking=random", "seed=3"))["label"] == (
+        "Random, 50%"
+    )
+    assert report.match_row(table, job("model.mask_ratio=0.5")) is None  # the masking is part of the row
+    pe = report.load_table(CONF_DIR / "paper", "paper_pe", explicit=True)
+    rows = pe["rows"]["no_token_pe"]["overrides"]
+    resolved = [override.replace("${paths.root_dir}", "/repo") for override in rows]
+    assert report.match_row(pe, report.Job("0", None, [], resolved, root_dir="/repo"))["label"] == "w/o token PE"
+    assert report.match_row(pe, report.Job("0", None, [], resolved, root_dir="/elsewhere")) is None
+
+
+def test_the_difference_is_measured_minus_published():
+    table = report.load_table(CONF_DIR / "paper", "mcva_head_depth", explicit=True)
+    job = report.Job("0", None, ["backbone.recon_head_depth=5"], ["backbone.recon_head_depth=5"])
+    job.results = {"sintel_clean/epe": 1.0, "chairs/epe": 2.0}
+    [row] = report.report_rows([job], table, report.value_columns([job], table, ["epe"]))
+    assert row["sintel_clean/epe paper"] == 0.94 and row["sintel_clean/epe diff"] == pytest.approx(0.06)
+    assert row["kitti/f1_all"] is None and row["kitti/f1_all paper"] == 14.64
+    assert row["chairs/epe"] == 2.0 and row["chairs/epe paper"] is None
+
+
+def test_report_table_that_names_no_table_is_one_line(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("[]\n")
+    with pytest.raises(FileNotFoundError, match="report.table=nonsense: no .*nonsense.yaml; the paper's tables are"):
+        report.run(report_config(tmp_path, "report.table=nonsense"))
