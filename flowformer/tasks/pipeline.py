@@ -14,15 +14,17 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
   overrides say.
 - `evaluate`: `{label: [overrides]}`; each label is a task=eval run of the last stage's last.ckpt, with the last
   stage's backbone, in `<run dir>/eval_<label>/` (e.g. `plain` and `tiled`).
-- `shared`: overrides every stage and evaluation starts with.
-- `row`: a table row's overrides. They are added to the job's own command-line overrides (a sweep's `params`),
-  except those that set up the pipeline job itself (task, name, seed, logger, experiment, protocol, sweep,
-  pipeline.*, hydra.*). A row's override goes to every stage and evaluation (the network is the same through
-  the protocol), except that a dotted key goes only where the run's config has it (`model.mask_ratio` to the
-  MCVA stage, `model.optimizer.lr` and `backbone.*` everywhere) and `model=<name>` only to the pretraining
-  stages (a row chooses the pretraining objective; the supervised stages stay `model=flow`). What a run did
-  not take is listed in its record (`dropped`). The job's own config must accept the row's keys too: a
-  protocol that pretrains selects its pretraining model (`model: mcva`), so that MCVA knobs compose.
+- `shared`: overrides every stage and evaluation starts with, routed as a row's (below): a protocol's knobs of
+  one module (`model.query_num` of MCVA) reach the stages of that module.
+- `row`: a table row's overrides (the per-table sweeps, sweep=paper_*, set it), followed by the job's own
+  command-line overrides (a sweep's `params`) except those that set up the pipeline job itself (task, name,
+  seed, logger, experiment, protocol, sweep, pipeline.*, hydra.*). A row's override goes to every stage and
+  evaluation (the network is the same through the protocol), except that a dotted key goes only where the
+  run's config has it (`model.mask_ratio` to the MCVA stage, `model.optimizer.lr` and `backbone.*` everywhere)
+  and `model=<name>` only to the pretraining stages (a row chooses the pretraining objective; the supervised
+  stages stay `model=flow`). The shared and row overrides a run did not take are listed in its record
+  (`dropped`). Command-line overrides compose in the job's own config first: a protocol that pretrains
+  selects its pretraining model (`model: mcva`), so that MCVA knobs (sweep=mcva_*) compose.
 - `resume`: the run directory of an earlier run of the same pipeline (in a multirun: its sweep directory,
   each job finds its own). Finished stages are skipped, an interrupted stage resumes exactly from its
   last.ckpt (`ckpt_path`; its earlier directory is kept as `<stage>.interrupted[-n]`), unfinished evaluations
@@ -47,7 +49,7 @@ The record, `<run dir>/pipeline.json` (rewritten atomically at every change; tas
           "task": "train" | "pretrain",
           "overrides": [...],                           # exactly what the stage was composed from, minus seed,
                                                         # name, logger and paths (its command line)
-          "dropped": [...],                             # row overrides this stage did not take
+          "dropped": [...],                             # shared and row overrides this stage did not take
           "init_from": "<previous last.ckpt>" | null,
           "init_from_sha256": "<hex>" | null,           # that checkpoint as this stage started from it
           "status": "pending" | "running" | "done" | "failed" | "stopped",
@@ -281,17 +283,20 @@ class Pipeline:
             through.append(f"logger={choice}" if choice else "~logger")
         return through
 
-    def compose(self, head: list[str], handoff: list[str], output_dir: Path) -> tuple[DictConfig, list, list]:
-        """The config of `python run.py <head> <the row's overrides it takes> <handoff>` writing to output_dir:
-        (config, its overrides without the pass-through ones, the row's overrides it did not take)."""
+    def compose(self, own: list[str], handoff: list[str], output_dir: Path) -> tuple[DictConfig, list, list]:
+        """The config of `python run.py <shared it takes> <own> <row it takes> <handoff>` writing to output_dir,
+        the shared and row overrides routed by `takes`: (config, its overrides without the pass-through ones,
+        the shared and row overrides it did not take)."""
         tail = [*handoff, *self.pass_through(output_dir)]
-        probe = hydra.compose("config", overrides=[*head, *tail])
-        choices = [override for override in self.row if override_key(override) == "model"]
-        if choices and takes(choices[0], probe):
-            probe = hydra.compose("config", overrides=[*head, *choices, *tail])
-        taken = [override for override in self.row if takes(override, probe)]
-        dropped = [override for override in self.row if override not in taken]
-        overrides = [*head, *taken, *handoff]
+        groups = [override for override in self.shared if "." not in override_key(override)]
+        probe = hydra.compose("config", overrides=[*groups, *own, *tail])
+        choices = [override for override in [*self.shared, *self.row] if override_key(override) == "model"]
+        if choices and takes(choices[-1], probe):
+            probe = hydra.compose("config", overrides=[*groups, *own, choices[-1], *tail])
+        shared = [override for override in self.shared if takes(override, probe)]
+        row = [override for override in self.row if takes(override, probe)]
+        dropped = [override for override in [*self.shared, *self.row] if override not in (*shared, *row)]
+        overrides = [*shared, *own, *row, *handoff]
         return hydra.compose("config", overrides=[*overrides, *tail]), overrides, dropped
 
     def run(self) -> dict[str, Any]:
@@ -312,7 +317,7 @@ class Pipeline:
         entry = self.record["stages"][index - 1]
         stage_dir = self.run_dir / stage.name
         handoff = [] if init_from is None else [f"model.init_from={path_value(init_from)}"]
-        stage_cfg, overrides, dropped = self.compose([*self.shared, *stage.overrides], handoff, stage_dir)
+        stage_cfg, overrides, dropped = self.compose(stage.overrides, handoff, stage_dir)
         self.configs[stage.name] = stage_cfg
         init_sha = None if init_from is None else file_sha256(init_from)
         where = f"stage {index}/{len(self.stages)} {stage.name}"
@@ -378,8 +383,8 @@ class Pipeline:
         finished on that very checkpoint); returns its first set's epe."""
         entry = self.record["evaluations"][list(self.evaluate).index(label)]
         eval_dir = self.run_dir / f"eval_{label}"
-        head = [*self.shared, "task=eval", *self.evaluate[label]]
-        eval_cfg, overrides, dropped = self.compose(head, [f"eval.checkpoint={path_value(checkpoint)}"], eval_dir)
+        own = ["task=eval", *self.evaluate[label]]
+        eval_cfg, overrides, dropped = self.compose(own, [f"eval.checkpoint={path_value(checkpoint)}"], eval_dir)
         with open_dict(eval_cfg):
             eval_cfg.backbone = OmegaConf.create(OmegaConf.to_container(backbone, resolve=True))
         self.configs[f"eval_{label}"] = eval_cfg
