@@ -45,7 +45,7 @@ The record, `<run dir>/pipeline.json` (rewritten atomically at every change; tas
       "metric": <float or null>,                        # what run.py returns: the first evaluation's epe
       "stages": [
         {
-          "name": "chairs", "index": 1, "dir": "<run dir>/chairs",
+          "name": "chairs", "dir": "<run dir>/chairs",
           "task": "train" | "pretrain",
           "overrides": [...],                           # exactly what the stage was composed from, minus seed,
                                                         # name, logger and paths (its command line)
@@ -71,6 +71,9 @@ The record, `<run dir>/pipeline.json` (rewritten atomically at every change; tas
         }, ...
       ]
     }
+
+A stage or evaluation that has not started ("pending") has only its name or label, dir, status, resumed_from
+and wall_s.
 """
 
 from __future__ import annotations
