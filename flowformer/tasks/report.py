@@ -9,9 +9,9 @@ the failed ones, also those that left no folder) or one run's directory. Of each
 
 - the overrides it was started with (`.hydra/overrides.yaml`), the sweep it belongs to (`.hydra/hydra.yaml`);
 - a pipeline (task=pipeline) from `pipeline.json`: its status, its row's overrides, its stages' wall time and
-  directories, and its evaluations' `eval_results.json` (the first evaluation's metrics are `<set>/<metric>`,
-  another's `<label>:<set>/<metric>`); any other run from its own `eval_results.json`, or else the last
-  validation values of its `csv/metrics.csv` (`val/<set>/<metric>` -> `<set>/<metric>`);
+  directories, and its evaluations' `eval_results.json` (an evaluation's metrics are
+  `<label>:<set>/<metric>`); any other run from its own `eval_results.json`, or else the last validation
+  values of its `csv/metrics.csv` (`val/<set>/<metric>` -> `<set>/<metric>`);
 - the network's parameter count from `run_info.json` (the last stage's in a pipeline);
 - every `val/<set>/epe` of the `csv/metrics.csv` files against the training step, for `report.png`.
 
@@ -21,8 +21,10 @@ A job is `done`, `failed` (in failed_jobs.jsonl, or its pipeline failed; its err
 The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
 `conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
 when every override of the row is one of the job's (a pipeline: its row; else its command line), with the same
-value (`0.5` = `0.50`; `${paths.root_dir}` in a row is the job's repository). Beside each value the row's
-published number and the difference (measured - published); beside the parameter count the paper's.
+value (`0.5` = `0.50`; `${paths.root_dir}` in a row is the job's repository). The paper's columns come first:
+each the measured value (of a pipeline's evaluation the table names as `evaluation`, e.g. `tiled` for numbers
+the paper tiled, else its first), the row's published number and the difference (measured - published); then
+every other measured value; the parameter count beside the paper's.
 
 Writes, into `report.output_dir` (default: `report.runs`), `report.md` (the table's title and caption, then
 one row per job named by the overrides that tell the jobs apart), `report.csv` (the same, one column per
@@ -66,6 +68,8 @@ PAPER_COLUMNS = {
     "kitti/f1_all": "KITTI-15 F1-all",
 }
 PARAMS_KEY = "params_m"  # a published row's parameter count, in millions
+# the fields of a report row that are no measured value
+ROW_FIELDS = ("job", "status", "paper_row", "params_m", "params_m paper", "train_s", "error")
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Job:
     results: dict[str, float] = field(default_factory=dict)  # "<set>/<metric>" -> value
     parameters: int | None = None
     train_s: float | None = None
+    evaluations: list[str] = field(default_factory=list)  # a pipeline's evaluation labels, in order
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # panel -> [(step, epe)]
     sweep: str | None = None  # the sweep config it ran under (names the paper's table)
     root_dir: str | None = None  # the repository it ran from
@@ -160,12 +165,12 @@ def read_pipeline(job: Job, record: dict[str, Any]) -> None:
     job.error = next((entry["error"] for entry in [*stages, *evaluations] if entry.get("error")), None)
     walls = [stage["wall_s"] for stage in stages if stage.get("wall_s") is not None]
     job.train_s = sum(walls) if walls else None
-    for index, evaluation in enumerate(evaluations):
+    job.evaluations = [evaluation["label"] for evaluation in evaluations]
+    for evaluation in evaluations:
         results_json = moved(evaluation.get("results_json"), record.get("run_dir"), job.directory)
         results = read_json(results_json) if evaluation.get("status") == "done" and results_json else None
-        prefix = "" if index == 0 else f"{evaluation['label']}:"
         for set_name, values in ((results or {}).get("results") or {}).items():
-            job.results.update({f"{prefix}{set_name}/{metric}": value for metric, value in values.items()})
+            job.results.update({f"{evaluation['label']}:{set_name}/{m}": v for m, v in values.items()})
     for stage in stages:
         stage_dir = moved(stage.get("dir"), record.get("run_dir"), job.directory)
         if stage_dir is None:
@@ -289,36 +294,47 @@ def job_names(jobs: list[Job]) -> dict[str, str]:
     return names
 
 
-def value_columns(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable[str]) -> list[str]:
-    """The table's published columns first, then each measured `<set>/<metric>` with a metric of `metrics`."""
-    columns = [
-        column
-        for row in (table or {}).get("rows", {}).values()
-        for column in row.get("published", {})
-        if column != PARAMS_KEY
-    ]
-    measured = {column for job in jobs for column in job.results if column.rsplit("/", 1)[-1] in set(metrics)}
-    return list(dict.fromkeys([*columns, *sorted(measured)]))
+def paper_columns(table: dict[str, Any] | None) -> list[str]:
+    """The metrics the table publishes (`<set>/<metric>`), in its order."""
+    rows = (table or {}).get("rows", {}).values()
+    columns = (column for row in rows for column in row.get("published", {}) if column != PARAMS_KEY)
+    return list(dict.fromkeys(columns))
+
+
+def measured_columns(jobs: list[Job], metrics: Iterable[str]) -> list[str]:
+    """Every measured `[<evaluation>:]<set>/<metric>` whose metric is one of `metrics`."""
+    wanted = set(metrics)
+    return sorted({column for job in jobs for column in job.results if column.rsplit("/", 1)[-1] in wanted})
+
+
+def compared_value(job: Job, table: dict[str, Any] | None, column: str) -> float | None:
+    """The job's value for a paper's column: of the pipeline evaluation the table names (`evaluation`) when
+    the job ran it, else of its first evaluation; a run without evaluations' own value."""
+    label = (table or {}).get("evaluation")
+    if label not in job.evaluations:
+        label = job.evaluations[0] if job.evaluations else None
+    return job.results.get(column if label is None else f"{label}:{column}")
 
 
 def difference(value: float | None, published: float | None) -> float | None:
     return None if value is None or published is None or math.isnan(value) else value - published
 
 
-def report_rows(jobs: list[Job], table: dict[str, Any] | None, columns: list[str]) -> list[dict[str, Any]]:
-    """One dict per job: name, status, paper row, each column's value / published / difference, parameter
-    counts (millions), training seconds, error."""
-    names = job_names(jobs)
+def report_rows(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable[str]) -> list[dict]:
+    """One dict per job: name, status, paper row, each paper column's value / published / difference, every
+    other measured value, parameter counts (millions), training seconds, error."""
+    names, compared, measured = job_names(jobs), paper_columns(table), measured_columns(jobs, metrics)
     rows = []
     for job in jobs:
         paper = (match_row(table, job) if table else None) or {}
         published = paper.get("published") or {}
         row: dict[str, Any] = {"job": names[job.name], "status": job.status, "paper_row": paper.get("label")}
-        for column in columns:
-            value = job.results.get(column)
+        for column in compared:
+            value = compared_value(job, table, column)
             row[column] = value
             row[f"{column} paper"] = published.get(column)
             row[f"{column} diff"] = difference(value, published.get(column))
+        row.update({column: job.results.get(column) for column in measured if column not in compared})
         row["params_m"] = None if job.parameters is None else job.parameters / 1e6
         row["params_m paper"] = published.get(PARAMS_KEY)
         row["train_s"] = job.train_s
@@ -341,20 +357,23 @@ def cell(value: float | None, published: float | None, diff: float | None) -> st
     return text
 
 
-def markdown(title: str, table: dict[str, Any] | None, columns: list[str], rows: list[dict[str, Any]]) -> str:
+def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     """report.md: what was compared, then one line per job, then the failed jobs' errors."""
     lines = [f"# {title}", "", f"{len(rows)} jobs: {status_counts(rows)}", ""]
     if table is not None:
         caption = table["caption"].strip()
         lines += [f"Paper: {table['title']} (conf/paper/{table['name']}.yaml). {caption}", ""]
-        lines += [f"The paper's training: {table['training']}.", ""]
+        evaluation = table.get("evaluation", "first")
+        training = table["training"]
+        lines += [f"The paper's training: {training}. Compared: a pipeline's {evaluation} evaluation.", ""]
     lines += ["Each value: measured / the paper's (measured - paper's).", ""]
+    columns = [key for key in rows[0] if key not in ROW_FIELDS and not key.endswith((" paper", " diff"))]
     headers = ["job", "status", "paper row", *(PAPER_COLUMNS.get(c, c) for c in columns)]
     headers += ["params (M)", "train h:mm:ss"]
     lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         cells = [row["job"], row["status"], row["paper_row"] or ""]
-        cells += [cell(row[c], row[f"{c} paper"], row[f"{c} diff"]) for c in columns]
+        cells += [cell(row[c], row.get(f"{c} paper"), row.get(f"{c} diff")) for c in columns]
         params, paper_params = row["params_m"], row["params_m paper"]
         params = cell(params, paper_params, difference(params, paper_params))
         train = "" if row["train_s"] is None else str(timedelta(seconds=round(row["train_s"])))
@@ -447,9 +466,8 @@ def run(cfg: DictConfig) -> None:
     name = settings.get("table") or next((job.sweep for job in jobs if job.sweep), None)
     explicit = bool(settings.get("table"))
     table = load_table(Path(settings.tables_dir), name, explicit) if name else None
-    columns = value_columns(jobs, table, settings.metrics)
-    rows = report_rows(jobs, table, columns)
-    atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, columns, rows))
+    rows = report_rows(jobs, table, settings.metrics)
+    atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, rows))
     atomic_write_text(output_dir / "report.csv", csv_text(rows))
     figure = output_dir / "report.png"
     if not write_curves(figure, jobs, job_names(jobs)):

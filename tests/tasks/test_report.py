@@ -55,9 +55,9 @@ def test_each_job_is_a_row_beside_its_papers_numbers(table_run):
         record = json.loads((sweep / str(job) / "pipeline.json").read_text())
         plain = json.loads((sweep / str(job) / "eval_plain" / "eval_results.json").read_text())["results"]
         tiled = json.loads((sweep / str(job) / "eval_tiled" / "eval_results.json").read_text())["results"]
-        assert float(row["synthetic/epe"]) == pytest.approx(plain["synthetic"]["epe"])
+        assert float(row["plain:synthetic/epe"]) == pytest.approx(plain["synthetic"]["epe"])
         assert float(row["tiled:synthetic/f1_all"]) == pytest.approx(tiled["synthetic"]["f1_all"])
-        assert row["synthetic/epe paper"] == row["synthetic/epe diff"] == ""  # no paper number for it
+        assert "plain:synthetic/epe paper" not in row  # no paper number for it
         last_stage = json.loads((sweep / str(job) / "things" / "run_info.json").read_text())
         assert float(row["params_m"]) == pytest.approx(last_stage["parameters"]["total"] / 1e6)
         assert float(row["train_s"]) == pytest.approx(sum(stage["wall_s"] for stage in record["stages"]))
@@ -67,7 +67,7 @@ def test_a_failed_job_is_listed_as_failed(table_run):
     sweep, rows = table_run
     failed = rows["pipeline.paper_row=no_such_row"]
     assert failed["status"] == "failed" and "no_such_row" in failed["error"]
-    assert failed["paper_row"] == failed["synthetic/epe"] == ""
+    assert failed["paper_row"] == failed["plain:synthetic/epe"] == ""
     text = (sweep / "report.md").read_text()
     assert "FlowFormer with v.s. without tile" in text and "2 done, 1 failed" in text
     assert "| pipeline.paper_row=no_such_row | failed |" in text
@@ -91,14 +91,18 @@ def test_a_job_is_the_row_whose_overrides_it_has():
     assert report.match_row(pe, report.Job("0", None, [], resolved, root_dir="/elsewhere")) is None
 
 
-def test_the_difference_is_measured_minus_published():
+def test_the_papers_columns_are_its_evaluation_measured_minus_published():
+    """The MCVA tables' numbers are tiled: a pipeline's tiled evaluation is compared with them."""
     table = report.load_table(CONF_DIR / "paper", "mcva_head_depth", explicit=True)
+    assert table["evaluation"] == "tiled"
     job = report.Job("0", None, ["backbone.recon_head_depth=5"], ["backbone.recon_head_depth=5"])
-    job.results = {"sintel_clean/epe": 1.0, "chairs/epe": 2.0}
-    [row] = report.report_rows([job], table, report.value_columns([job], table, ["epe"]))
-    assert row["sintel_clean/epe paper"] == 0.94 and row["sintel_clean/epe diff"] == pytest.approx(0.06)
+    job.evaluations = ["plain", "tiled"]
+    job.results = {"plain:sintel_clean/epe": 1.5, "tiled:sintel_clean/epe": 1.0, "tiled:chairs/epe": 2.0}
+    [row] = report.report_rows([job], table, ["epe"])
+    assert row["sintel_clean/epe"] == 1.0 and row["sintel_clean/epe paper"] == 0.94
+    assert row["sintel_clean/epe diff"] == pytest.approx(0.06)
     assert row["kitti/f1_all"] is None and row["kitti/f1_all paper"] == 14.64
-    assert row["chairs/epe"] == 2.0 and row["chairs/epe paper"] is None
+    assert row["plain:sintel_clean/epe"] == 1.5 and row["tiled:chairs/epe"] == 2.0  # the rest, as measured
 
 
 def test_report_table_that_names_no_table_is_one_line(tmp_path):
