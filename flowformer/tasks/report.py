@@ -20,11 +20,11 @@ A job is `done`, `failed` (in failed_jobs.jsonl, or its pipeline failed; its err
 
 The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
 `conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
-when every override of the row is one of the job's (a pipeline: its row; else its command line), with the same
-value (`0.5` = `0.50`; `${paths.root_dir}` in a row is the job's repository). The paper's columns come first:
-each the measured value (of a pipeline's evaluation the table names as `evaluation`, e.g. `tiled` for numbers
-the paper tiled, else its first), the row's published number and the difference (measured - published); then
-every other measured value; the parameter count beside the paper's.
+when every override of the row is one of the job's (its command line and, in a pipeline, its row), with the
+same value (`0.5` = `0.50`; `${paths.root_dir}` in a row is the job's repository). The paper's columns come
+first: each the measured value (of a pipeline's evaluation the row or table names as `evaluation`, e.g.
+`tiled` for numbers the paper tiled, else its first), the row's published number and their difference
+(measured - published); then every other measured value; the parameter count beside the paper's.
 
 Writes, into `report.output_dir` (default: `report.runs`), `report.md` (the table's title and caption, then
 one row per job named by the overrides that tell the jobs apart), `report.csv` (the same, one column per
@@ -66,6 +66,9 @@ PAPER_COLUMNS = {
     "sintel_final/epe": "Sintel final",
     "kitti/epe": "KITTI-15 F1-epe",
     "kitti/f1_all": "KITTI-15 F1-all",
+    "sintel_test_clean/epe": "Sintel test clean",  # the benchmarks' numbers: published, not measured here
+    "sintel_test_final/epe": "Sintel test final",
+    "kitti_test/f1_all": "KITTI-15 test F1-all",
 }
 PARAMS_KEY = "params_m"  # a published row's parameter count, in millions
 # the fields of a report row that are no measured value
@@ -275,9 +278,8 @@ def row_values(row: dict[str, Any], root_dir: str | None) -> dict[str, Any]:
 
 
 def match_row(table: dict[str, Any], job: Job) -> dict[str, Any] | None:
-    """The row of `table` whose every override is one of the job's (a pipeline's row, else its command
-    line)."""
-    values = override_values(job.row)
+    """The row of `table` whose every override is one of the job's (its command line, a pipeline's row)."""
+    values = override_values([*job.overrides, *job.row])
     for row in table["rows"].values():
         wanted = row_values(row, job.root_dir)
         if all(key in values and values[key] == value for key, value in wanted.items()):
@@ -307,10 +309,10 @@ def measured_columns(jobs: list[Job], metrics: Iterable[str]) -> list[str]:
     return sorted({column for job in jobs for column in job.results if column.rsplit("/", 1)[-1] in wanted})
 
 
-def compared_value(job: Job, table: dict[str, Any] | None, column: str) -> float | None:
-    """The job's value for a paper's column: of the pipeline evaluation the table names (`evaluation`) when
-    the job ran it, else of its first evaluation; a run without evaluations' own value."""
-    label = (table or {}).get("evaluation")
+def compared_value(job: Job, evaluation: str | None, column: str) -> float | None:
+    """The job's value for a paper's column: of the pipeline evaluation the paper's row or table names
+    (`evaluation`) when the job ran it, else of its first evaluation; a run without evaluations' own value."""
+    label = evaluation
     if label not in job.evaluations:
         label = job.evaluations[0] if job.evaluations else None
     return job.results.get(column if label is None else f"{label}:{column}")
@@ -330,7 +332,7 @@ def report_rows(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable
         published = paper.get("published") or {}
         row: dict[str, Any] = {"job": names[job.name], "status": job.status, "paper_row": paper.get("label")}
         for column in compared:
-            value = compared_value(job, table, column)
+            value = compared_value(job, paper.get("evaluation") or (table or {}).get("evaluation"), column)
             row[column] = value
             row[f"{column} paper"] = published.get(column)
             row[f"{column} diff"] = difference(value, published.get(column))

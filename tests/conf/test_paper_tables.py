@@ -73,6 +73,7 @@ def test_rows_the_paper_repeats_have_the_same_numbers():
         ("mcva_target_size", "size15"),
         ("mcva_freeze", "freeze_ie_freeze_ce"),
         ("paper_unsupervised", "mcva"),
+        ("paper_comparison", "mcva_ct"),
     ]:
         assert published(name, row) == mcva, (name, row)
 

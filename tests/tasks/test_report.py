@@ -110,3 +110,17 @@ def test_report_table_that_names_no_table_is_one_line(tmp_path):
     (tmp_path / ".hydra" / "overrides.yaml").write_text("[]\n")
     with pytest.raises(FileNotFoundError, match="report.table=nonsense: no .*nonsense.yaml; the paper's tables are"):
         report.run(report_config(tmp_path, "report.table=nonsense"))
+
+
+def test_a_protocol_run_is_its_row_of_the_main_table():
+    """The main table's rows are protocols (a job's command line): C+T numbers compared with the tiled
+    evaluation, C+T+S+K+H train-set numbers with the plain one, as the paper measured them."""
+    table = report.load_table(CONF_DIR / "paper", "paper_comparison", explicit=True)
+    job = report.Job("0", None, ["task=pipeline", "protocol=mcva_ablation"], [], evaluations=["plain", "tiled"])
+    job.results = {"plain:sintel_clean/epe": 1.5, "tiled:sintel_clean/epe": 1.0}
+    [row] = report.report_rows([job], table, ["epe"])
+    assert row["paper_row"] == "C+T, FlowFormer+MCVA" and row["sintel_clean/epe diff"] == pytest.approx(0.1)
+    job.overrides = ["task=pipeline", "protocol=main_ctskh"]
+    [row] = report.report_rows([job], table, ["epe"])
+    assert row["sintel_clean/epe"] == 1.5 and row["sintel_clean/epe paper"] == 0.48
+    assert row["sintel_test_clean/epe"] is None and row["sintel_test_clean/epe paper"] == 1.16
