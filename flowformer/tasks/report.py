@@ -421,13 +421,13 @@ def write_curves(path: Path, jobs: list[Job], names: dict[str, str]) -> bool:
     return True
 
 
-def log_to_wandb(cfg: DictConfig, group: str, rows: list[dict[str, Any]], figure: Path | None) -> None:
-    """With logger=wandb (or many): the report as a wandb Table (and the figure) in a run of job type
-    report."""
+def log_to_wandb(cfg: DictConfig, group: str, rows: list[dict[str, Any]], figure: Path | None) -> Any:
+    """With logger=wandb (or many): the report as a wandb Table (and the figure) in a run of job type report,
+    in `group`; returns the finished wandb run (None without a wandb logger)."""
     loggers = (cfg.get("logger") or {}).values()
     settings = next((entry for entry in loggers if entry and "Wandb" in str(entry.get("_target_"))), None)
     if settings is None or not rows:
-        return
+        return None
     import wandb
 
     run = wandb.init(
@@ -445,6 +445,7 @@ def log_to_wandb(cfg: DictConfig, group: str, rows: list[dict[str, Any]], figure
         payload["validation_epe"] = wandb.Image(str(figure))
     run.log(payload)
     run.finish()
+    return run
 
 
 def run(cfg: DictConfig) -> None:

@@ -124,3 +124,18 @@ def test_a_protocol_run_is_its_row_of_the_main_table():
     [row] = report.report_rows([job], table, ["epe"])
     assert row["sintel_clean/epe"] == 1.5 and row["sintel_clean/epe paper"] == 0.48
     assert row["sintel_test_clean/epe"] is None and row["sintel_test_clean/epe paper"] == 1.16
+
+
+def test_with_wandb_the_report_is_a_wandb_table_in_the_tables_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = report_config(tmp_path, "logger=wandb", f"paths.output_dir={tmp_path}")
+    rows = [{"job": "pipeline.paper_row=no_agt_pe", "status": "done", "sintel_clean/epe": 1.25, "error": None}]
+    run = report.log_to_wandb(cfg, "paper_pe", rows, None)
+    assert (run.group, run.job_type) == ("paper_pe", "report")
+    [table] = (tmp_path / "wandb").glob("offline-run-*/files/media/table/report_*.table.json")
+    assert json.loads(table.read_text()) == {
+        "columns": ["job", "status", "sintel_clean/epe", "error"],
+        "data": [["pipeline.paper_row=no_agt_pe", "done", 1.25, None]],
+    }
+    assert report.log_to_wandb(report_config(tmp_path), "paper_pe", rows, None) is None  # logger=csv: no run
