@@ -4,6 +4,7 @@ training time, and the failed job listed as failed; jobs are matched to the pape
 
 import csv
 import json
+import shutil
 
 import pytest
 import yaml
@@ -31,7 +32,6 @@ def table_run(tmp_path_factory):
         "sweep=paper_tile",
         "pipeline.paper_row=tile,no_tile,no_such_row",
         f"hydra.sweep.dir={sweep}",
-        "hydra.sweep.subdir=${hydra.job.num}",
         expect_ok=False,
     )
     assert result.returncode == 1, result.stderr[-3000:]  # the sweep names its failed job
@@ -48,17 +48,18 @@ def test_each_job_is_a_row_beside_its_papers_numbers(table_run):
     assert list(rows) == ["pipeline.paper_row=tile", "pipeline.paper_row=no_tile", "pipeline.paper_row=no_such_row"]
     for job, name in enumerate(["tile", "no_tile"]):
         row = rows[f"pipeline.paper_row={name}"]
+        folder = sweep / f"{job}_pipeline.paper_row={name}"
         assert row["status"] == "done" and row["paper_row"] == published[name]["label"]
         for column, number in published[name]["published"].items():
             assert float(row[f"{column} paper"]) == number
             assert row[column] == row[f"{column} diff"] == ""  # not measured: no Sintel in the smoke protocol
-        record = json.loads((sweep / str(job) / "pipeline.json").read_text())
-        plain = json.loads((sweep / str(job) / "eval_plain" / "eval_results.json").read_text())["results"]
-        tiled = json.loads((sweep / str(job) / "eval_tiled" / "eval_results.json").read_text())["results"]
+        record = json.loads((folder / "pipeline.json").read_text())
+        plain = json.loads((folder / "eval_plain" / "eval_results.json").read_text())["results"]
+        tiled = json.loads((folder / "eval_tiled" / "eval_results.json").read_text())["results"]
         assert float(row["plain:synthetic/epe"]) == pytest.approx(plain["synthetic"]["epe"])
         assert float(row["tiled:synthetic/f1_all"]) == pytest.approx(tiled["synthetic"]["f1_all"])
         assert "plain:synthetic/epe paper" not in row  # no paper number for it
-        last_stage = json.loads((sweep / str(job) / "things" / "run_info.json").read_text())
+        last_stage = json.loads((folder / "things" / "run_info.json").read_text())
         assert float(row["params_m"]) == pytest.approx(last_stage["parameters"]["total"] / 1e6)
         assert float(row["train_s"]) == pytest.approx(sum(stage["wall_s"] for stage in record["stages"]))
 
@@ -72,6 +73,24 @@ def test_a_failed_job_is_listed_as_failed(table_run):
     assert "FlowFormer with v.s. without tile" in text and "2 done, 1 failed" in text
     assert "| pipeline.paper_row=no_such_row | failed |" in text
     assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_job_still_running_is_listed_as_running(table_run, tmp_path):
+    """A pipeline in its last stage: pipeline.json as the pipeline writes it then (that stage running, the
+    evaluations pending)."""
+    sweep, _ = table_run
+    running = tmp_path / "0_pipeline.paper_row=tile"
+    shutil.copytree(sweep / running.name, running)
+    record = json.loads((running / "pipeline.json").read_text())
+    record["status"] = record["stages"][-1]["status"] = "running"
+    for evaluation in record["evaluations"]:
+        evaluation.update(status="pending", results_json=None)
+    (running / "pipeline.json").write_text(json.dumps(record))
+    report.run(report_config(tmp_path))
+    [row] = csv.DictReader((tmp_path / "report.csv").open(newline=""))
+    assert row["status"] == "running" and row["paper_row"] == "FlowFormer, w/ tile"
+    assert row["sintel_clean/epe"] == "" and row["sintel_clean/epe paper"] == "0.94"  # nothing measured yet
+    assert "1 jobs: 1 running" in (tmp_path / "report.md").read_text()
 
 
 def test_a_job_is_the_row_whose_overrides_it_has():
