@@ -1,5 +1,5 @@
 """Pairs and clips rendered from a folder of photographs: exact flow, the file split, folder errors, the
-zero-download default, the configs and a tiny training run on a folder of PNGs."""
+zero-download default, the configs, and tiny training and MCVA pretraining runs on a folder of PNGs."""
 
 from __future__ import annotations
 
@@ -210,3 +210,28 @@ def test_a_tiny_training_run_on_a_folder_of_pngs(photos: Path, tmp_path: Path) -
     _, trainer = fit(cfg)
     assert trainer.global_step == 2 and (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
     assert "val/image_folder/epe" in trainer.callback_metrics
+
+
+def test_a_tiny_mcva_pretraining_run_on_clips_of_the_folder(photos: Path, tmp_path: Path) -> None:
+    """`python run.py task=pretrain model=mcva data=image_folder_video data.train.root=<folder> ...`."""
+    cfg = compose_tiny_config(
+        "task=pretrain",
+        "model=mcva",
+        "trainer=cpu",
+        "data=image_folder_video",
+        f"data.train.root={photos}",
+        "data.train.size=[72,96]",  # the photographs' size
+        "data.train.augmentor.crop_size=[64,88]",  # MCVA masks patches of the 1/8 cost maps: not much smaller
+        "data.train.num_samples=4",
+        "data.batch_size=2",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "callbacks.progress_bar=null",
+        "model.query_num=4",
+        "model.log_images_every_n_steps=0",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path / 'run'}",
+    )
+    _, trainer = fit(cfg)
+    assert trainer.global_step == 2 and (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
