@@ -77,6 +77,7 @@ class ImageFolderError(FileNotFoundError):
 
 
 def skimage_photo_dir() -> Path:
+    """The folder of scikit-image's bundled sample images (skimage/data/ in the installed package)."""
     import skimage.data  # imported here: only the zero-download default needs it
 
     return Path(skimage.data.__file__).parent
@@ -174,11 +175,12 @@ class PhotoTextures:
         self.max_zoom = float(max_zoom)
         self.cache_bytes = int(cache_mb * 2**20)
         self.owner = owner
-        self.files, self.sizes = self._usable(split_files(found, self.root, split, val_fraction, owner))
+        self.files = self._usable(split_files(found, self.root, split, val_fraction, owner))
         self._cache: OrderedDict[Path, np.ndarray] = OrderedDict()
 
-    def _usable(self, files: list[Path]) -> tuple[list[Path], list[tuple[int, int]]]:
-        """The files at least the render size, with their (H, W); one warning line counts the others."""
+    def _usable(self, files: list[Path]) -> list[Path]:
+        """The files of at least the render size (read from their headers); one warning line counts the
+        others."""
         height, width = self.size
         sizes = {path: _header_size(path) for path in files}
         unreadable = [path for path, size in sizes.items() if size is None]
@@ -198,10 +200,7 @@ class PhotoTextures:
                 f"a readable image of at least the render size {height}x{width}; lower the dataset's size or "
                 "add larger images"
             )
-        return usable, [sizes[path] for path in usable]
-
-    def __len__(self) -> int:
-        return len(self.files)
+        return usable
 
     def _decoded(self, index: int) -> np.ndarray:
         """Photograph ``index`` (uint8 [h, w, 3]); one that fails to decode is replaced by the next one."""
