@@ -85,7 +85,7 @@ class Job:
     row: list[str]  # the overrides that make it: a pipeline's row, else its command line
     status: str = "running"
     error: str | None = None
-    results: dict[str, float] = field(default_factory=dict)  # "<set>/<metric>" -> value
+    results: dict[str, float] = field(default_factory=dict)  # "[<evaluation>:]<set>/<metric>" -> value
     parameters: int | None = None
     train_s: float | None = None
     evaluations: list[str] = field(default_factory=list)  # a pipeline's evaluation labels, in order
