@@ -124,3 +124,11 @@ def test_every_row_builds_and_trains_two_steps_on_the_tiny_sizes(table, row, tmp
     for key, value in override_values(overrides).items():
         if key.startswith("backbone."):
             assert built[key.removeprefix("backbone.")] == value, key
+
+
+def test_the_main_tables_rows_are_protocols():
+    """Its rows differ in their whole training (one run each, no sweep): each row's overrides compose a
+    pipeline, compared with the evaluation the row names."""
+    for row in read_table("paper_comparison")["rows"].values():
+        cfg = compose_run_config(row["overrides"])
+        assert cfg.task == "pipeline" and row["evaluation"] in cfg.pipeline.evaluate, row["label"]
