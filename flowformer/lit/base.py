@@ -200,7 +200,11 @@ class BackboneModule(L.LightningModule):
         arguments: dict[str, Any] = {}
         for level in collect_init_args(inspect.currentframe(), [], classes=(BackboneModule,)):
             arguments.update(level)
-        self.save_hyperparameters({name: plain_value(value) for name, value in arguments.items()})
+        hparams = {name: plain_value(value) for name, value in arguments.items()}
+        if isinstance(hparams["backbone"], dict) and "twins_weights" in hparams["backbone"]:
+            # the ImageNet weights travel in the state dict: a load from the checkpoint does not read them again
+            hparams["backbone"] = {**hparams["backbone"], "twins_weights": None}
+        self.save_hyperparameters(hparams)
         self.backbone = build_backbone(backbone)
 
     @classmethod

@@ -7,7 +7,7 @@ import logging
 import hydra
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
 from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
@@ -36,7 +36,7 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
 
 def build_model(cfg: DictConfig) -> L.LightningModule:
     """The LightningModule of cfg.model, its backbone compiled as `runtime` says. A resumed run
-    (ckpt_path) does not load model.init_from: the checkpoint holds the weights."""
+    (ckpt_path) loads neither model.init_from nor the ImageNet Twins weights: the checkpoint holds the weights."""
     overrides = {}
     if cfg.get("ckpt_path") and cfg.model.get("init_from"):
         log.info(
@@ -45,6 +45,8 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
             cfg.model.init_from,
         )
         overrides["init_from"] = None
+    if cfg.get("ckpt_path") and cfg.backbone.get("twins_weights"):
+        overrides["backbone"] = OmegaConf.merge(cfg.backbone, {"twins_weights": None})
     model = hydra.utils.instantiate(cfg.model, **overrides)
     compile_network(model.backbone, cfg.runtime)
     return model

@@ -15,6 +15,7 @@ from flowformer.models import save_backbone
 from flowformer.models.encoders import TWINS_IMAGENET_FILE, TwinsEncoder, imagenet_weights_url
 from flowformer.tasks import run_task
 from flowformer.tasks.runtime import load_network
+from flowformer.tasks.train import build_model
 
 from helpers.compose import compose_run_config, compose_tiny_config
 
@@ -121,3 +122,15 @@ def test_a_checkpoint_to_run_replaces_the_imagenet_weights_unread(offline_hub, t
     save_backbone(tmp_path / "twins.pt", trained)
     net = load_network(backbone, str(tmp_path / "twins.pt"), torch.device("cpu"))
     assert all(torch.equal(value, trained.state_dict()[key]) for key, value in net.state_dict().items())
+
+
+def test_a_resumed_run_and_its_checkpoint_do_not_read_the_imagenet_weights(offline_hub, tmp_path):
+    """Resuming (ckpt_path) a run whose backbone says twins_weights=imagenet builds the network without fetching
+    them (offline, nothing cached): the checkpoint holds the weights. Its hyper-parameters store null, so a
+    later FlowModule.load_from_checkpoint does not fetch them either."""
+    twins = ["backbone.image_encoder=twins", "backbone.feature_dim=256", "backbone.twins_weights=imagenet"]
+    cfg = compose_tiny_config(*twins, f"ckpt_path={tmp_path / 'last.ckpt'}")
+    model = build_model(cfg)
+    assert model.hparams["backbone"]["twins_weights"] is None
+    with pytest.raises(Exception, match="backbone.twins_weights=imagenet: timm tried"):  # Hydra wraps it
+        build_model(compose_tiny_config(*twins))
