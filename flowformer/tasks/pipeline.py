@@ -273,7 +273,8 @@ class Pipeline:
         atomic_write_text(self.run_dir / RECORD, json.dumps(self.record, indent=2))
 
     def pass_through(self, output_dir: Path) -> list[str]:
-        """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline."""
+        """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline; with
+        wandb, the run's job type is its folder's name (the stage, or eval_<label>)."""
         cfg = self.cfg
         through = [
             f"seed={cfg.seed}",
@@ -284,6 +285,8 @@ class Pipeline:
         if HydraConfig.initialized():
             choice = HydraConfig.get().runtime.choices.get("logger")
             through.append(f"logger={choice}" if choice else "~logger")
+        if "wandb" in (cfg.get("logger") or {}):  # wandb groups the runs by name (the table); job type: the stage
+            through.append(f"logger.wandb.job_type={output_dir.name}")
         return through
 
     def compose(self, own: list[str], handoff: list[str], output_dir: Path) -> tuple[DictConfig, list, list]:

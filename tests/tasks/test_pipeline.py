@@ -238,3 +238,19 @@ def test_the_paper_protocols_compose_with_their_schedules(protocol, tmp_path):
         for overrides in cfg.pipeline.evaluate.values():
             tiles.append(compose("config", overrides=[*cfg.pipeline.shared, "task=eval", *overrides]).eval.tile)
     assert (cfg.task, cfg.name, composed, tiles) == ("pipeline", protocol, stages, tiling)
+
+
+def test_with_wandb_each_stage_run_has_the_stage_as_its_job_type(tmp_path):
+    """logger=wandb: every run of the pipeline passes its folder's name as the wandb job type (the group is the
+    job's name, the table), and the stage's composed logger carries it; without wandb nothing is added."""
+    overrides = ["task=pipeline", "protocol=smoke", f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "logger=wandb"])
+        stages = pipeline.read_stages(cfg.pipeline)
+        through = pipeline.Pipeline(cfg, tmp_path, stages).pass_through(tmp_path / stages[0].name)
+        assert f"logger.wandb.job_type={stages[0].name}" in through
+        stage_cfg = compose("config", overrides=["logger=wandb", *through])
+        assert stage_cfg.logger.wandb.job_type == stages[0].name
+        assert stage_cfg.logger.wandb.group == cfg.name
+        csv_cfg = compose("config", overrides=overrides)
+        assert not any("job_type" in o for o in pipeline.Pipeline(csv_cfg, tmp_path, stages).pass_through(tmp_path))
