@@ -170,11 +170,11 @@ def test_bounded_forward_equals_dense_forward(batch, window_source, monkeypatch)
     torch.testing.assert_close(bounded["flow_low"], dense["flow_low"], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("cost_encoder", ["agt", "mixer"])
-def test_agt_layers_in_row_blocks_equal_one_pass(cost_encoder):
+@pytest.mark.parametrize("intra_layer", ["transformer", "mlp"])
+def test_agt_layers_in_row_blocks_equal_one_pass(intra_layer):
     """With an activation budget the AGT layers run over blocks of rows (source pixels for the intra-cost-map
     layers, one image's latent rows with that image's context for LSA/GSA), and give the same cost memory."""
-    net = tiny(cost_encoder=cost_encoder)
+    net = tiny(intra_layer=intra_layer)
     encoder = net.cost_encoder
     g = torch.Generator().manual_seed(1)
     image1 = torch.rand(2, 3, 48, 64, generator=g) * 255
