@@ -21,7 +21,7 @@ A job is `done`, `failed` (in failed_jobs.jsonl, or its pipeline failed; its err
 The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
 `conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
 when every override of the row is one of the job's (its command line and, in a pipeline, its row), with the
-same value (`0.5` = `0.50`; `${paths.root_dir}` in a row is the job's repository). The paper's columns come
+same value (`0.5` = `0.50`). The paper's columns come
 first: each the measured value (of a pipeline's evaluation the row or table names as `evaluation`, e.g.
 `tiled` for numbers the paper tiled, else its first), the row's published number and their difference
 (measured - published); then every other measured value; the parameter count beside the paper's.
@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import track
 
@@ -91,7 +91,6 @@ class Job:
     evaluations: list[str] = field(default_factory=list)  # a pipeline's evaluation labels, in order
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # panel -> [(step, epe)]
     sweep: str | None = None  # the sweep config it ran under (names the paper's table)
-    root_dir: str | None = None  # the repository it ran from
 
 
 def read_json(path: Path) -> Any:
@@ -223,7 +222,6 @@ def read_job(job_dir: Path) -> Job:
         overrides=overrides,
         row=overrides,
         sweep=(runtime.get("choices") or {}).get("sweep"),
-        root_dir=runtime.get("cwd"),
     )
     record = read_json(job_dir / PIPELINE_RECORD)
     if record is not None:
@@ -271,17 +269,11 @@ def override_values(overrides: Iterable[str]) -> dict[str, Any]:
     return {override.key_or_group: override.value() for override in parsed}
 
 
-def row_values(row: dict[str, Any], root_dir: str | None) -> dict[str, Any]:
-    """A table row's overrides as values, `${paths.root_dir}` being the job's repository."""
-    resolved = OmegaConf.create({"paths": {"root_dir": root_dir or "."}, "overrides": list(row["overrides"])})
-    return override_values(OmegaConf.to_container(resolved, resolve=True)["overrides"])
-
-
 def match_row(table: dict[str, Any], job: Job) -> dict[str, Any] | None:
     """The row of `table` whose every override is one of the job's (its command line, a pipeline's row)."""
     values = override_values([*job.overrides, *job.row])
     for row in table["rows"].values():
-        wanted = row_values(row, job.root_dir)
+        wanted = override_values(list(row["overrides"]))
         if all(key in values and values[key] == value for key, value in wanted.items()):
             return row
     return None

@@ -104,10 +104,10 @@ def test_a_job_is_the_row_whose_overrides_it_has():
     )
     assert report.match_row(table, job("model.mask_ratio=0.5")) is None  # the masking is part of the row
     pe = report.load_table(CONF_DIR / "paper", "paper_pe", explicit=True)
-    rows = pe["rows"]["no_token_pe"]["overrides"]
-    resolved = [override.replace("${paths.root_dir}", "/repo") for override in rows]
-    assert report.match_row(pe, report.Job("0", None, [], resolved, root_dir="/repo"))["label"] == "w/o token PE"
-    assert report.match_row(pe, report.Job("0", None, [], resolved, root_dir="/elsewhere")) is None
+    rows = list(pe["rows"]["no_token_pe"]["overrides"])
+    assert report.match_row(pe, report.Job("0", None, [], rows))["label"] == "w/o token PE"
+    with_token_pe = report.Job("0", None, [], [*rows[:-1], "backbone.token_pe=true"])
+    assert report.match_row(pe, with_token_pe)["label"] == "FlowFormer"  # the row whose every override it has
 
 
 def test_the_papers_columns_are_its_evaluation_measured_minus_published():
