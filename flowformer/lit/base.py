@@ -69,6 +69,13 @@ def check_finite(value: Tensor, what: str, step: int) -> None:
         )
 
 
+def check_decoder_iterations(**settings: int) -> None:
+    """Each `model.<setting>` given (train_iters, val_iters) is at least 1: the decoder refines at least once."""
+    for setting, iters in settings.items():
+        if iters < 1:
+            raise ValueError(f"model.{setting}={iters}: the decoder needs at least 1 iteration")
+
+
 def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:
     """An nn.Module as is, or a `_target_` mapping (e.g. conf/backbone/*.yaml, or the `backbone`
     hyper-parameters of a checkpoint, which may hold knobs FlowFormer no longer takes), built by the package

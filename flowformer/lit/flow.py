@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.eval.protocol import Protocol, validation_protocol
-from flowformer.lit.base import BackboneModule, check_finite
+from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite
 from flowformer.lit.images import image_api, log_images
 from flowformer.losses import sequence_loss
 from flowformer.metrics import NothingScoredError
@@ -53,9 +53,7 @@ class FlowModule(BackboneModule):
                 f"model.gamma={gamma}: the loss weighs iteration i by gamma^(N-1-i), so gamma must be >= 0 "
                 "(official: 0.8)"
             )
-        for setting, iters in (("model.train_iters", train_iters), ("model.val_iters", val_iters)):
-            if iters < 1:
-                raise ValueError(f"{setting}={iters}: the decoder needs at least 1 iteration")
+        check_decoder_iterations(train_iters=train_iters, val_iters=val_iters)
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         if init_from is not None:
             report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowformer.lit.base import BackboneModule, check_finite
+from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite
 from flowformer.unsupervised_loss import UnsupervisedLossSettings, unsupervised_loss
 
 
@@ -45,8 +45,7 @@ class UnsupervisedPretrainModule(BackboneModule):
         occlusion_relative: float,
         occlusion_absolute: float,
     ) -> None:
-        if train_iters < 1:
-            raise ValueError(f"model.train_iters={train_iters}: the decoder needs at least 1 iteration")
+        check_decoder_iterations(train_iters=train_iters)
         settings = UnsupervisedLossSettings(
             l1_weight=l1_weight,
             ssim_weight=ssim_weight,
