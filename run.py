@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from flowformer.tasks import run_task
 from flowformer.tasks.run_dirs import register_resolvers
 
-register_resolvers()  # ${fresh_dir:...} of conf/hydra/default.yaml
+register_resolvers()  # ${fresh_dir:...} of conf/hydra/default.yaml, ${launch_dir:} of conf/paths/default.yaml
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

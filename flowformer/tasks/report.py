@@ -60,6 +60,8 @@ from flowformer.tasks.sweeps import failed_jobs
 log = logging.getLogger(__name__)
 
 PIPELINE_RECORD = "pipeline.json"  # flowformer/tasks/pipeline.py writes it
+# The paper's tables (report.tables_dir null): conf/paper/ of this repository, wherever run.py is started from.
+PAPER_TABLES_DIR = Path(__file__).resolve().parents[2] / "conf" / "paper"
 # The paper's names of the metrics its tables report (KITTI-15 F1-epe is the per-image EPE, F1-all in %).
 PAPER_COLUMNS = {
     "sintel_clean/epe": "Sintel clean",
@@ -460,7 +462,7 @@ def run(cfg: DictConfig) -> None:
         )
     name = settings.get("table") or next((job.sweep for job in jobs if job.sweep), None)
     explicit = bool(settings.get("table"))
-    table = load_table(Path(settings.tables_dir), name, explicit) if name else None
+    table = load_table(Path(settings.tables_dir or PAPER_TABLES_DIR), name, explicit) if name else None
     rows = report_rows(jobs, table, settings.metrics)
     atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, rows))
     atomic_write_text(output_dir / "report.csv", csv_text(rows))

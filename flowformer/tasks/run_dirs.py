@@ -31,12 +31,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flowformer.models.output_files import check_room, file_in_the_way
 
 RESOLVER = "fresh_dir"
+LAUNCH_DIR_RESOLVER = "launch_dir"
 _claimed: dict[str, str] = {}
 
 
@@ -133,9 +135,20 @@ def check_folder_names(config: DictConfig) -> None:
             raise SystemExit(1)
 
 
+def launch_dir() -> str:
+    """The directory run.py was started from (paths.root_dir): Hydra's runtime.cwd inside a job, and the
+    current directory before any job exists, where a multirun resolves hydra.sweep.dir (Hydra sets its
+    HydraConfig per job, so ``${hydra:runtime.cwd}`` cannot resolve there; hydra.job.chdir is false)."""
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.cwd)
+    return os.getcwd()
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, fresh_dir, use_cache=True)
+    if not OmegaConf.has_resolver(LAUNCH_DIR_RESOLVER):
+        OmegaConf.register_new_resolver(LAUNCH_DIR_RESOLVER, launch_dir)
 
 
 class OutputPathError(ValueError):

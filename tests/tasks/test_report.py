@@ -12,12 +12,12 @@ import yaml
 from flowformer.tasks import report
 
 from helpers.compose import compose_tiny_config
-from helpers.configs import CONF_DIR, REPO_DIR
+from helpers.configs import CONF_DIR
 from helpers.run import run_py
 
 
 def report_config(runs, *overrides):
-    return compose_tiny_config("task=report", f"report.runs={runs}", f"paths.root_dir={REPO_DIR}", *overrides)
+    return compose_tiny_config("task=report", f"report.runs={runs}", *overrides)
 
 
 @pytest.fixture(scope="module")
