@@ -329,7 +329,8 @@ def run(cfg: DictConfig) -> float | None:
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}
     for name, (protocol, dataset) in sets.items():
-        log.info("evaluating %s (%d pairs): %s", name, len(dataset), protocol)
+        count = pairs_to_evaluate(dataset, name, settings.get("max_samples"))
+        log.info("evaluating %s (%d of its %d pairs): %s", name, count, len(dataset), protocol)
         results[name] = evaluate_set(
             net,
             dataset,
@@ -337,12 +338,17 @@ def run(cfg: DictConfig) -> float | None:
             name=name,
             device=device,
             precision=settings.precision,
-            max_samples=settings.get("max_samples"),
+            max_samples=count,
             num_workers=settings.num_workers,
             submission_dir=submission_dir,
             warm_start=settings.warm_start,
         )
-        protocols[name] = {**asdict(protocol), "pairs": len(dataset), "warm_start": settings.warm_start}
+        protocols[name] = {
+            **asdict(protocol),
+            "pairs": count,
+            "pairs_in_set": len(dataset),
+            "warm_start": settings.warm_start,
+        }
 
     baselines = score_baselines(methods, sets, settings)
     rows = dict(results)

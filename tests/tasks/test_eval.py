@@ -147,8 +147,9 @@ def test_eval_set_checks_its_config_and_table() -> None:
     assert "sintel_clean" in table and "1.0000" in table and "kitti-epe = epe (per-image mean)" in table
 
 
-def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None:
-    """task=eval composed by Hydra: loads our checkpoint, evaluates, writes JSON; plain and tiled."""
+def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path, caplog) -> None:
+    """task=eval composed by Hydra: loads our checkpoint, evaluates, writes JSON; plain and tiled. With
+    eval.max_samples=2 of the set's 8 pairs, the log and the record say that 2 pairs were scored."""
     overrides = [
         "task=eval",
         "backbone=tiny",
@@ -168,12 +169,15 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path) -> None
     net = hydra.utils.instantiate(cfg.backbone).eval()
     save_backbone(tmp_path / "tiny.pt", net)
 
-    value = run(cfg)
+    with caplog.at_level(logging.INFO):
+        value = run(cfg)
     record = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     result = record["results"]["synthetic"]
     assert set(result) == {"epe", "1px", "3px", "5px", "f1_all"}
     assert value == pytest.approx(result["epe"]) and value > 0
     assert record["protocol"]["synthetic"]["iters"] == 2
+    assert (record["protocol"]["synthetic"]["pairs"], record["protocol"]["synthetic"]["pairs_in_set"]) == (2, 8)
+    assert "evaluating synthetic (2 of its 8 pairs)" in caplog.text
 
     # the same numbers by hand: the saved weights, 'sintel' padding, valid-masked pixel-pooled metrics
     dataset = hydra.utils.instantiate(cfg.eval.benchmarks.synthetic.dataset)
