@@ -59,7 +59,9 @@ def f1_outliers(epe: Tensor, mag: Tensor) -> Tensor:
 
 
 def _valid_mask(epe: Tensor, valid: Tensor | None, mag: Tensor, max_flow: float | None) -> Tensor:
-    """valid [B,H,W] (1 = valid, thresholded at 0.5 as in the official code) or None (all pixels) -> bool."""
+    """valid [B,H,W] (1 = valid, thresholded at 0.5 as in the official code) or None (all pixels) -> bool.
+    A pixel whose ground truth is NaN or inf (|gt| = `mag` not finite) is never valid: missing ground truth,
+    as the KITTI reader's valid channel says, so no metric is NaN."""
     if valid is None:
         mask = torch.ones_like(epe, dtype=torch.bool)
     else:
@@ -68,6 +70,7 @@ def _valid_mask(epe: Tensor, valid: Tensor | None, mag: Tensor, max_flow: float 
                 f"valid mask must be [B,H,W] = {tuple(epe.shape)} to match the flow; got {tuple(valid.shape)}"
             )
         mask = valid >= 0.5
+    mask = mask & torch.isfinite(mag)
     if max_flow is not None:
         mask = mask & (mag < max_flow)
     return mask
@@ -230,8 +233,9 @@ class FlowSetMetrics(SetMetrics):
 
 class SintelSetMetrics(SetMetrics):
     """Kind ``sintel``: ``epe``, ``1px``, ``3px``, ``5px`` and the speed bins ``s0-10``, ``s10-40``, ``s40+``,
-    pixel-pooled over **every pixel**: the official ``validate_sintel`` (``evaluate_FlowFormer.py``) applies no
-    valid mask, so the mask of the items is ignored. F1-all is not a Sintel metric and is not reported."""
+    pixel-pooled over **every pixel** with finite ground truth: the official ``validate_sintel``
+    (``evaluate_FlowFormer.py``) applies no valid mask, so the mask of the items is ignored. F1-all is not a
+    Sintel metric and is not reported."""
 
     kind = "sintel"
     uses_valid_mask = False

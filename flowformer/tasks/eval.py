@@ -12,7 +12,8 @@ the chosen backbone config. Each entry of `eval.benchmarks` is a set of `conf/ev
 kind, padding and tile geometry; the same files define the validation sets of `conf/data/`) plus its decoder
 iterations `iters` (FF: 32 Sintel, 24 KITTI; FF++: 12). Kinds and their metrics (`flowformer/metrics.py`):
 
-- `sintel`: pixel-pooled EPE over all pixels (no valid mask, as the official `validate_sintel`), 1/3/5 px
+- `sintel`: pixel-pooled EPE over all pixels (no valid mask, as the official `validate_sintel`; pixels whose
+  ground truth is NaN or inf are left out with a warning, in every kind), 1/3/5 px
   and the s0-10 / s10-40 / s40+ speed split;
 - `kitti`: `epe` per image (the official kitti-epe) and `f1_all` pixel-pooled (the official kitti-f1) over
   the valid pixels, with `epe_pooled`, `f1_all_per_image` and 1/3/5 px beside them;
@@ -109,6 +110,7 @@ def evaluate_set(
         collate_fn=_single,
     )
     warm = WarmStart() if warm_start else None
+    missing_truth = 0  # ground-truth pixels that are NaN or inf: left out as invalid (flowformer/metrics.py)
     with pair_progress() as progress:
         for index, item in enumerate(progress.track(loader, total=count, description=name)):
             image1 = item["img1"][None].to(device)  # [1,3,H,W]
@@ -122,8 +124,10 @@ def evaluate_set(
             if metrics is None:
                 write_submission_item(submission_dir, protocol, flow, item)
             else:
-                score_item(metrics, flow, item, name, protocol)
+                missing_truth += score_item(metrics, flow, item, name, protocol)
     log.info("%s: %d pairs in %.1f s", name, count, progress.tasks[0].elapsed or 0.0)
+    if missing_truth:
+        log.warning("%s: %d ground-truth pixels are NaN or inf and were left out as invalid", name, missing_truth)
     if warm is not None:
         log.info("%s: %d of %d pairs started from the previous pair's flow", name, warm.continued, count)
     if metrics is None:
@@ -156,8 +160,9 @@ def write_submission_item(
 
 def score_item(
     metrics: SetMetrics, flow: Tensor, item: Mapping[str, Any], name: str, protocol: Protocol
-) -> None:
-    """Scores a pair's flow [1,2,H,W] against its ground truth (and valid mask, where the set has one)."""
+) -> int:
+    """Scores a pair's flow [1,2,H,W] against its ground truth (and valid mask, where the set has one); returns
+    how many of its ground-truth pixels are NaN or inf, which no metric counts."""
     if "flow" not in item:
         raise ValueError(
             f"eval set {name} (kind {protocol.kind}) has no ground-truth flow; use a training "
@@ -165,6 +170,7 @@ def score_item(
         )
     valid = item.get("valid")
     metrics.update(flow.cpu(), item["flow"][None].float(), None if valid is None else valid[None].float())
+    return int((~torch.isfinite(item["flow"]).all(dim=0)).sum())
 
 
 def format_table(results: Mapping[str, Mapping[str, float]], kinds: Mapping[str, str]) -> str:

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.utils.data import Dataset
 
-from flowformer.data.io import read_flo, read_kitti_flow
+from flowformer.data.io import read_flo, read_kitti_flow, write_flo
 from flowformer.eval.padding import InputPadder
 from flowformer.eval.protocol import EvalSet, Protocol, WarmStart, forward_project
 from flowformer.metrics import FlowMetrics, NothingScoredError
@@ -22,7 +22,8 @@ from flowformer.models import save_backbone
 from flowformer.tasks.eval import evaluate_set, format_table, run
 
 from helpers.configs import CONF_DIR
-from helpers.trees import sintel_tree
+from helpers.run import fresh_checkout, run_py
+from helpers.trees import H, W, sintel_tree
 
 
 class ConstantFlowSet(Dataset):
@@ -197,6 +198,37 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path, caplog)
     assert tiled > 0 and tiled != pytest.approx(
         value, rel=1e-6
     )  # 4 tiles of 64x96 instead of one padded pass
+
+
+def test_non_finite_ground_truth_is_left_out_never_a_nan_metric(tmp_path: Path) -> None:
+    """A Sintel .flo with NaN and inf pixels: `python run.py task=eval ... eval.baselines=[zero]` scores the
+    network and zero flow over the finite pixels only, and says how many it left out."""
+    sintel = sintel_tree(tmp_path / "data" / "Sintel")
+    flo = sintel / "training/flow/alley_1/frame_0001.flo"  # flow (1, -1); market_2's two pairs: (1, -1), (2, -2)
+    flow = read_flo(flo)
+    flow[:4, :5] = np.nan
+    flow[5, 6, 0] = np.inf
+    write_flo(flo, flow)
+    result = run_py(
+        "task=eval",
+        "backbone=tiny",
+        "eval.sets=[sintel_clean]",
+        "eval.baselines=[zero]",
+        "eval.benchmarks.sintel_clean.iters=1",
+        "eval.num_workers=0",
+        f"paths.data_dir={tmp_path / 'data'}",
+        f"paths.output_dir={tmp_path / 'out'}",
+        cwd=fresh_checkout(tmp_path / "checkout"),
+    )
+    record = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    scores = [record["results"]["sintel_clean"], record["baselines"]["zero"]["sintel_clean"]]
+    # every metric is a number (the speed bins above 10 px hold no pixel here: NaN, as always for an empty bin)
+    assert all(np.isfinite(metrics[key]) for metrics in scores for key in ("epe", "1px", "3px", "5px", "s0-10"))
+    missing = 4 * 5 + 1
+    zero_epe = np.sqrt(2) * (H * W - missing + H * W + 2 * H * W) / (3 * H * W - missing)
+    assert scores[1]["epe"] == pytest.approx(zero_epe, rel=1e-6)
+    for name in ("sintel_clean", "sintel_clean (zero)"):
+        assert f"{name}: {missing} ground-truth pixels are NaN or inf and were left out as invalid" in result.stdout
 
 
 def test_eval_task_writes_sintel_and_kitti_submissions(tmp_path: Path, caplog) -> None:
