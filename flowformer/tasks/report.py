@@ -4,8 +4,9 @@
     python run.py task=report report.runs=logs/pipeline/paper_pe/multiruns/<time>
     python run.py task=report report.runs=<run dir> report.table=paper_pe     # conf/paper/paper_pe.yaml
 
-`report.runs` is a multirun's directory (each `<n>_<overrides>/` folder is a job; `failed_jobs.jsonl` names
-the failed ones, also those that left no folder) or one run's directory. Of each job it reads:
+`report.runs` is a multirun's directory (each folder with a `.hydra/` under it, however deep, is a job;
+`failed_jobs.jsonl` names the failed ones, also those that left no folder; `multirun.yaml` how many jobs the
+sweep launched) or one run's directory. Of each job it reads:
 
 - the overrides it was started with (`.hydra/overrides.yaml`), the sweep it belongs to (`.hydra/hydra.yaml`);
 - a pipeline (task=pipeline) from `pipeline.json`: its status, its row's overrides, its stages' wall time and
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 from rich.console import Console
@@ -93,6 +95,7 @@ class Job:
     evaluations: list[str] = field(default_factory=list)  # a pipeline's evaluation labels, in order
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # panel -> [(step, epe)]
     sweep: str | None = None  # the sweep config it ran under (names the paper's table)
+    number: int | None = None  # its job number in the multirun (hydra.job.num)
 
 
 def read_json(path: Path) -> Any:
@@ -103,18 +106,30 @@ def read_json(path: Path) -> Any:
         return None
 
 
-def job_number(folder: Path) -> int:
-    """A multirun job folder's number (`<n>_<overrides>`), -1 for another name."""
-    head = folder.name.partition("_")[0]
-    return int(head) if head.isdigit() else -1
-
-
 def job_directories(runs: Path) -> list[Path]:
-    """The job folders of a multirun directory in job order, or the run directory itself."""
+    """The run directory itself, or the job folders (each with its .hydra/) under a multirun directory however
+    deep (an override holding a `/` nested the folders of sweeps run before job folder names were made one
+    plain name); a job's own folders are not searched, nor are links followed."""
     if (runs / ".hydra").is_dir():
         return [runs]
-    jobs = [path for path in runs.iterdir() if (path / ".hydra" / "overrides.yaml").is_file()]
-    return sorted(jobs, key=lambda path: (job_number(path), path.name))
+    folders = sorted(path for path in runs.iterdir() if path.is_dir() and not path.is_symlink())
+    return [job for folder in folders for job in job_directories(folder)]
+
+
+def launched_jobs(runs: Path) -> int | None:
+    """How many jobs the sweep of `runs` launched, as its multirun.yaml records the sweep: the combinations
+    of its swept values (Hydra's basic sweeper), a sweeper's n_trials (Optuna), else None (not a multirun)."""
+    record = runs / "multirun.yaml"
+    config = yaml.safe_load(record.read_text()) if record.is_file() else None
+    if not isinstance(config, dict):
+        return None
+    hydra_cfg = config.get("hydra") or {}
+    sweeper = hydra_cfg.get("sweeper") or {}
+    if not str(sweeper.get("_target_")).endswith("BasicSweeper"):
+        return sweeper.get("n_trials")
+    swept = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+    overrides = [*swept, *((hydra_cfg.get("overrides") or {}).get("task") or [])]
+    return len(BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0])
 
 
 def read_metrics(path: Path) -> list[dict[str, str]]:
@@ -217,13 +232,14 @@ def read_job(job_dir: Path) -> Job:
     """A job folder: its overrides, sweep and repository (.hydra/), then its pipeline record or run files."""
     overrides = [str(item) for item in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text())]
     hydra_yaml = job_dir / ".hydra" / "hydra.yaml"
-    runtime = (yaml.safe_load(hydra_yaml.read_text())["hydra"]["runtime"]) if hydra_yaml.is_file() else {}
+    hydra_cfg = yaml.safe_load(hydra_yaml.read_text())["hydra"] if hydra_yaml.is_file() else {}
     job = Job(
         name=job_dir.name,
         directory=job_dir,
         overrides=overrides,
         row=overrides,
-        sweep=(runtime.get("choices") or {}).get("sweep"),
+        sweep=((hydra_cfg.get("runtime") or {}).get("choices") or {}).get("sweep"),
+        number=(hydra_cfg.get("job") or {}).get("num"),
     )
     record = read_json(job_dir / PIPELINE_RECORD)
     if record is not None:
@@ -239,15 +255,15 @@ def read_jobs(runs: Path) -> list[Job]:
     folders = job_directories(runs)
     console = Console(stderr=True)
     jobs = [read_job(folder) for folder in track(folders, "reading jobs", console=console, transient=True)]
-    by_name = {job.name: job for job in jobs}
+    by_number = {job.number: job for job in jobs}
     for record in failed_jobs(runs):
-        job = by_name.get(Path(record["dir"]).name) if record.get("dir") else None
+        job = by_number.get(record["job"])
         if job is None:
             overrides = [str(override) for override in record["overrides"]]
-            job = Job(name=f"#{record['job']}", directory=None, overrides=overrides, row=overrides)
+            job = Job(f"#{record['job']}", None, overrides, overrides, number=record["job"])
             jobs.append(job)
         job.status, job.error = "failed", record["error"]
-    return jobs
+    return sorted(jobs, key=lambda job: (job.number is None, job.number or 0, job.name))
 
 
 def load_table(tables_dir: Path, name: str, explicit: bool) -> dict[str, Any] | None:
@@ -353,9 +369,15 @@ def cell(value: float | None, published: float | None, diff: float | None) -> st
     return text
 
 
-def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
+def found_line(rows: list[dict[str, Any]], launched: int | None) -> str:
+    """'2 of the 3 jobs the sweep launched: 1 done, 1 failed' (without the launched count outside a sweep)."""
+    of = "" if launched is None else f" of the {launched} the sweep launched"
+    return f"{len(rows)} jobs{of}: {status_counts(rows)}"
+
+
+def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]], found: str) -> str:
     """report.md: what was compared, then one line per job, then the failed jobs' errors."""
-    lines = [f"# {title}", "", f"{len(rows)} jobs: {status_counts(rows)}", ""]
+    lines = [f"# {title}", "", found, ""]
     if table is not None:
         caption = table["caption"].strip()
         lines += [f"Paper: {table['title']} (conf/paper/{table['name']}.yaml). {caption}", ""]
@@ -464,11 +486,12 @@ def run(cfg: DictConfig) -> None:
     explicit = bool(settings.get("table"))
     table = load_table(Path(settings.tables_dir or PAPER_TABLES_DIR), name, explicit) if name else None
     rows = report_rows(jobs, table, settings.metrics)
-    atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, rows))
+    found = found_line(rows, launched_jobs(runs))
+    atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, rows, found))
     atomic_write_text(output_dir / "report.csv", csv_text(rows))
     figure = output_dir / "report.png"
     if not write_curves(figure, jobs, job_names(jobs)):
         log.warning("no job logged a validation EPE: no report.png")
         figure = None
-    print(f"report: {len(rows)} jobs ({status_counts(rows)}) -> {output_dir}/report.md, .csv and .png")
+    print(f"report: {found} -> {output_dir}/report.md, .csv and .png")
     log_to_wandb(cfg, table["name"] if table else str(cfg.name), rows, figure)

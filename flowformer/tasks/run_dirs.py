@@ -4,7 +4,8 @@
 time and claims it with an atomic ``mkdir``: two runs started in the same second (parallel sweeps, several users,
 SLURM arrays) get ``<time>`` and ``<time>_2``. Under a multi-process launcher every process of one job must
 share the directory, so it is named after the job instead: ``slurm-<job>.<step>`` under ``srun`` with several
-tasks, ``torchrun-<rdzv id>`` under torchrun with an ``--rdzv-id``.
+tasks, ``torchrun-<rdzv id>`` under torchrun with an ``--rdzv-id``. ``${job_folder:<n>,<overrides>}`` names a
+multirun job's folder: one plain folder name of at most JOB_FOLDER_MAX bytes, whatever its overrides hold.
 
 :class:`RunDirGuard` (a Hydra callback) checks the directory before Hydra writes into it: it must be creatable
 and writable, and a fresh run (not a process joining its job's directory) must find it empty and claims it
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -39,6 +41,7 @@ from flowformer.models.output_files import check_room, file_in_the_way
 
 RESOLVER = "fresh_dir"
 LAUNCH_DIR_RESOLVER = "launch_dir"
+JOB_FOLDER_RESOLVER = "job_folder"
 _claimed: dict[str, str] = {}
 
 
@@ -123,13 +126,14 @@ FOLDER_SETTINGS = ("task", "name")
 
 def check_folder_names(config: DictConfig) -> None:
     """Exit with one line unless `task` and `name` are plain folder names: a `/` or `..` would put the run
-    outside paths.log_dir."""
+    outside paths.log_dir, and a name over NAME_MAX bytes cannot be created."""
     for setting in FOLDER_SETTINGS:
         value = str(config.get(setting))
-        if value in ("", ".", "..") or "/" in value or os.sep in value:
+        if value in ("", ".", "..") or "/" in value or os.sep in value or len(value.encode()) > NAME_MAX:
             print(
-                f"error: {setting}={value!r} names a folder of the run directory under paths.log_dir: give one "
-                "plain folder name (no '/', not '..')",
+                f"error: {setting}={value[:60]!r}{'...' if len(value) > 60 else ''} names a folder of the run "
+                f"directory under paths.log_dir: give one plain folder name (no '/', not '..', at most {NAME_MAX} "
+                f"bytes; this one has {len(value.encode())})",
                 file=sys.stderr,
             )
             raise SystemExit(1)
@@ -144,11 +148,37 @@ def launch_dir() -> str:
     return os.getcwd()
 
 
+# The longest file name most file systems take (ext4, XFS, Btrfs: NAME_MAX, in bytes), and the longest multirun
+# job folder name this code makes (well inside it, also inside eCryptfs's 143).
+NAME_MAX = 255
+JOB_FOLDER_MAX = 128
+SHORT_VALUE = 12  # in a shortened job folder name, the characters kept of each longer override value
+
+
+def job_folder(number: int, override_dirname: str) -> str:
+    """A multirun job's folder name, ``<n>_<overrides>``: one plain folder whatever the overrides hold (each
+    ``/`` written ``%2F``), and at most JOB_FOLDER_MAX bytes. Longer, each value is cut to SHORT_VALUE
+    characters + ``~`` (the keys stay), the whole to the limit, and a hash of the overrides appended so that
+    jobs stay apart; the job's overrides in full are its .hydra/overrides.yaml."""
+    name = f"{number}_{override_dirname.replace('/', '%2F')}"
+    if len(name.encode()) <= JOB_FOLDER_MAX:
+        return name
+    digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:10]
+    pieces = [piece.partition("=") for piece in name.split(",")]
+    short = ",".join(
+        key + sep + (value[:SHORT_VALUE] + "~" if len(value) > SHORT_VALUE else value) for key, sep, value in pieces
+    )
+    head = short.encode()[: JOB_FOLDER_MAX - len(digest) - 1].decode(errors="ignore")
+    return f"{head}-{digest}"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, fresh_dir, use_cache=True)
     if not OmegaConf.has_resolver(LAUNCH_DIR_RESOLVER):
         OmegaConf.register_new_resolver(LAUNCH_DIR_RESOLVER, launch_dir)
+    if not OmegaConf.has_resolver(JOB_FOLDER_RESOLVER):
+        OmegaConf.register_new_resolver(JOB_FOLDER_RESOLVER, job_folder)
 
 
 class OutputPathError(ValueError):
