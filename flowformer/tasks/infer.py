@@ -8,7 +8,8 @@ Each consecutive pair (i, i+1) gives `<name of frame i>.flo` (or a KITTI 16-bit 
 `infer.save_png`, a Middlebury colour-wheel picture `<name>_flow.png` in `infer.output_dir`; with
 `infer.save_video`, the colour-coded flow of every pair also goes to `flow.mp4` there. Outputs that exist
 already are refused before any work unless `infer.overwrite=true`; `infer.output_dir` is never the input
-folder and an output never replaces an input, with or without it. Any image size works:
+folder and an output never replaces an input, with or without it. A run holds `infer.output_dir` while it
+writes there (`claim_output_dir`): a second run given the same folder meanwhile is refused. Any image size works:
 inputs are padded to a multiple of 8 and the flow cropped back. Frames are decoded one at a time, and the
 progress bar shows pairs per second. Prediction is task=eval's (`flowformer/eval/protocol.py`,
 `Protocol.predict`) with `infer.iters` iterations and `infer.pad_mode` padding.
@@ -22,9 +23,11 @@ keeps the dense computation whenever it fits; a number sets the budget.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import cv2
@@ -36,7 +39,7 @@ from torch import nn
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.tasks.preemption import StoppedBySignal, StopSignals
-from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
+from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
 from flowformer.tasks.runtime import (
     autocast_context,
     available_memory_gb,
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".tif", ".tiff", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg")
 VIDEO_NAME = "flow.mp4"  # the colour-coded flow of every pair, in infer.output_dir
+CLAIM_FILE = ".infer_claim"  # in infer.output_dir while a run writes there (claim_output_dir)
 
 
 def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray], int]:
@@ -174,12 +178,60 @@ def prepare_network(cfg: DictConfig) -> tuple[torch.device, AbstractContextManag
     return device, autocast, net
 
 
+@contextmanager
+def claim_output_dir(output_dir: Path) -> Iterator[None]:
+    """infer.output_dir is this run's alone while it writes there: it holds an exclusive lock (flock) on the
+    folder's CLAIM_FILE, which the system drops when the process ends however it ends (a kill -9 too), so of two
+    runs given one folder at the same time the second is refused. The file goes when the run ends."""
+    path = output_dir / CLAIM_FILE
+    while True:
+        claim = open(path, "a+")  # noqa: SIM115 - held open, and locked, until the run ends
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            claim.seek(0)
+            holder = claim.read().strip() or "another process"
+            claim.close()
+            raise OutputPathError(
+                f"infer.output_dir {output_dir} is being written by another task=infer run ({holder}); wait for "
+                "it to end or choose another infer.output_dir"
+            ) from None
+        except OSError as error:  # a file system without locks: run, unguarded
+            reason = error.strerror or error
+            log.warning(
+                "infer.output_dir %s cannot be locked (%s): a second run into it is not refused", output_dir, reason
+            )
+            break
+        if path.exists() and os.path.samefile(path, claim.fileno()):
+            break
+        claim.close()  # the file was removed by the run that held it before this one locked it: lock the new one
+    try:
+        claim.truncate(0)
+        claim.write(run_owner(output_dir))
+        claim.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        claim.close()
+
+
 def run(cfg: DictConfig) -> None:
     settings = cfg.infer
     check_settings(settings)
     names, frames, count = list_frames(settings.input)
     output_dir = ensure_writable_dir(settings.output_dir, "the flow output directory (infer.output_dir)")
-    check_outputs(settings, names, output_dir)
+    with claim_output_dir(output_dir):
+        check_outputs(settings, names, output_dir)
+        pairs = predict_pairs(cfg, names, frames, count, output_dir)
+    report_pairs(settings.input, pairs, count, output_dir)
+
+
+def predict_pairs(
+    cfg: DictConfig, names: list[str], frames: Iterator[np.ndarray], count: int, output_dir: Path
+) -> int:
+    """The flow of each consecutive pair of `frames` (`names`, `count` of them) into `output_dir`, as
+    infer.* says; returns the number of pairs written."""
+    settings = cfg.infer
     device, autocast, net = prepare_network(cfg)
     protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
@@ -226,7 +278,7 @@ def run(cfg: DictConfig) -> None:
                 video.write(cv2.cvtColor(picture, cv2.COLOR_RGB2BGR))
             previous = current
             pairs += 1
-    report_pairs(settings.input, pairs, count, output_dir)
+    return pairs
 
 
 def report_pairs(source: object, pairs: int, count: int, output_dir: Path) -> None:

@@ -5,8 +5,10 @@ their own inputs."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cv2
@@ -22,7 +24,7 @@ from flowformer.tasks import run_dirs, run_task
 
 from helpers.compose import compose_tiny_config as config
 from helpers.configs import REPO_DIR
-from helpers.run import run_py
+from helpers.run import run_py, start_run_py
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -237,6 +239,44 @@ def test_infer_gives_frames_with_dots_in_their_names_their_own_flow_files(tmp_pa
     write_frames(frames, ["clip.0001.png", "clip.0002.png", "clip.0003.png"])
     run_task(infer_config(frames, out, checkpoint, "infer.save_png=false", "infer.save_video=false"))
     assert sorted(contents(out)) == ["clip.0001.flo", "clip.0002.flo"]
+
+
+def test_a_second_infer_run_into_a_folder_being_written_is_refused(tmp_path, checkpoint):
+    """Two `task=infer` runs given one infer.output_dir: while the first writes there (stopped with SIGSTOP
+    after its first flow file), the second is refused in one line, also with infer.overwrite=true. Killed with
+    SIGKILL, the first holds nothing: the next run writes there."""
+    frames, out = tmp_path / "frames", tmp_path / "out"
+    write_frames(frames, [f"{i:02d}.png" for i in range(20)])
+
+    def infer(run: str) -> list[str]:
+        return [
+            "task=infer",
+            "backbone=tiny",
+            f"infer.input={frames}",
+            f"infer.output_dir={out}",
+            f"infer.checkpoint={checkpoint}",
+            "infer.iters=1",
+            "infer.save_video=false",
+            "infer.overwrite=true",
+            f"hydra.run.dir={tmp_path / run}",
+        ]
+
+    first = start_run_py(*infer("first"))
+    while not (out / "00.flo").exists():
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.01)
+    first.send_signal(signal.SIGSTOP)
+    second = run_py(*infer("second"), expect_ok=False, timeout=600)
+    first.kill()
+    first.communicate()
+    assert second.returncode == 1, second.stderr[-2000:]
+    (error,) = error_lines(second.stderr)
+    assert f"infer.output_dir {out} is being written by another task=infer run (host" in error
+    assert f"pid {first.pid}" in error
+
+    run_py(*infer("third"), timeout=600)
+    assert sorted(path.name for path in out.glob("*.flo")) == [f"{i:02d}.flo" for i in range(19)]
+    assert not (out / ".infer_claim").exists()
 
 
 def eval_config(tmp_path: Path, *overrides: str):
