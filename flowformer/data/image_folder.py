@@ -12,7 +12,7 @@ FlyingChairs is this kind of data (chairs over Flickr photographs).
   the first ``round(n * val_fraction)`` (at least 1, at most n - 1) are held out for ``val``. A file is in
   one split only, whatever the render size, so a validation scene never shows a training photograph.
 - Images smaller than the render size are skipped, with one warning line counting them; so are files whose
-  header cannot be read. A file that fails to decode later is replaced by the next one, with a warning.
+  header cannot be read and images that are not 8-bit (16-bit PNG or TIFF), as task=infer refuses them. A file that fails to decode later is replaced by the next one, with a warning.
 - Each layer crops a window ``zoom`` times the render size (log-uniform in ``[1, max_zoom]``, as far as the
   photograph allows), at a random place, mirrored with probability 1/2, resized to the render size.
 """
@@ -133,14 +133,18 @@ def split_files(files: list[Path], root: Path, split: str, val_fraction: float, 
     return ordered[:held_out] if split == "val" else ordered[held_out:]
 
 
-def _header_size(path: Path) -> tuple[int, int] | None:
-    """(height, width) from the file's header (nothing decoded); None when it is not a readable image."""
+def _header(path: Path) -> tuple[int, int, bool] | None:
+    """(height, width, 8-bit channels or not) from the file's header (nothing decoded); None when it is not a
+    readable image. A 16-bit PNG or TIFF has mode I;16 (grey) or a raw mode ';16' (colour, which PIL would
+    reduce to 8 bits); OpenCV, which every image read goes through, decodes it to 16 bits."""
     try:
         with Image.open(path) as image:
             width, height = image.size
-    except (OSError, ValueError, Image.DecompressionBombError):
+            raw_modes = [tile.args if isinstance(tile.args, str) else tile.args[0] for tile in image.tile]
+            eight_bit = not image.mode.startswith(("I", "F")) and not any(";16" in mode for mode in raw_modes)
+    except (OSError, ValueError, IndexError, Image.DecompressionBombError):
         return None
-    return height, width
+    return height, width, eight_bit
 
 
 class PhotoTextures:
@@ -179,28 +183,38 @@ class PhotoTextures:
         self._cache: OrderedDict[Path, np.ndarray] = OrderedDict()
 
     def _usable(self, files: list[Path]) -> list[Path]:
-        """The files of at least the render size (read from their headers); one warning line counts the
+        """The 8-bit files of at least the render size (read from their headers); one warning line counts the
         others."""
         height, width = self.size
-        sizes = {path: _header_size(path) for path in files}
-        unreadable = [path for path, size in sizes.items() if size is None]
-        small = [path for path, hw in sizes.items() if hw is not None and (hw[0] < height or hw[1] < width)]
-        usable = [path for path in files if path not in unreadable and path not in small]
-        if unreadable or small:
-            names = ", ".join(path.relative_to(self.root).as_posix() for path in [*small, *unreadable][:5])
+        headers = {path: _header(path) for path in files}
+        unreadable = [path for path, header in headers.items() if header is None]
+        deep = [path for path, header in headers.items() if header is not None and not header[2]]
+        small = [
+            path
+            for path, header in headers.items()
+            if header is not None and header[2] and (header[0] < height or header[1] < width)
+        ]
+        skipped = [*small, *deep, *unreadable]
+        kinds = (  # the files skipped for one reason, the reason, and what to do about it
+            (small, f"smaller than the render size {height}x{width}", "lower the dataset's size or add larger images"),
+            (deep, "not 8-bit (8-bit images are expected, as task=infer expects)", "convert them to 8-bit"),
+            (unreadable, "not readable as images", "remove them"),
+        )
+        why = ", ".join(f"{len(paths)} {reason}" for paths, reason, _ in kinds if paths)
+        if skipped and len(skipped) < len(files):
+            names = ", ".join(path.relative_to(self.root).as_posix() for path in skipped[:5])
             log.warning(
-                "%s (%s split of %s): skipped %d of %d images: %d smaller than the render size %dx%d, %d not "
-                "readable as images (e.g. %s)",
-                self.owner, self.split, self.root, len(small) + len(unreadable), len(files), len(small),
-                height, width, len(unreadable), names,
+                "%s (%s split of %s): skipped %d of %d images: %s (e.g. %s)",
+                self.owner, self.split, self.root, len(skipped), len(files), why, names,
             )
-        if not usable:
+        if len(skipped) == len(files):
+            advice = " or ".join(act for paths, _, act in kinds if paths)
             raise ImageFolderError(
                 f"{self.owner}: none of the {len(files)} images of the {self.split} split of {self.root} is "
-                f"a readable image of at least the render size {height}x{width}; lower the dataset's size or "
-                "add larger images"
+                f"usable: {why}; {advice}"
             )
-        return usable
+        kept = set(files).difference(skipped)
+        return [path for path in files if path in kept]
 
     def _decoded(self, index: int) -> np.ndarray:
         """Photograph ``index`` (uint8 [h, w, 3]); one that fails to decode is replaced by the next one."""

@@ -21,12 +21,14 @@ from flowformer.data.image_folder import (
     ImageFolderFlowDataset,
     ImageFolderVideoDataset,
 )
+from flowformer.data.io import read_image
 from flowformer.data.sampling import SampleKey
 from flowformer.data.transforms import FlowAugmentor
 from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config
 from helpers.configs import CONF_DIR
+from helpers.run import fresh_checkout, run_py
 from helpers.warping import visible, warp_error
 
 SIZE = (48, 64)
@@ -105,7 +107,7 @@ def test_folder_errors_are_one_line_each(tmp_path: Path, monkeypatch: pytest.Mon
     cv2.imwrite(str(tmp_path / "small" / "x.png"), _photo(0, 20, 20))
     assert "at least 2 images" in error_for(tmp_path / "small")
     cv2.imwrite(str(tmp_path / "small" / "y.png"), _photo(1, 20, 20))
-    assert "at least the render size 48x64" in error_for(tmp_path / "small")
+    assert "is usable: 1 smaller than the render size 48x64; lower the dataset's size" in error_for(tmp_path / "small")
     locked = tmp_path / "locked"
     locked.mkdir()
     scandir = os.scandir
@@ -117,6 +119,41 @@ def test_folder_errors_are_one_line_each(tmp_path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(os, "scandir", denied)
     assert f"cannot read the image folder {locked} (Permission denied)" in error_for(locked)
+
+
+def test_a_folder_of_16_bit_pngs_is_refused_as_not_8_bit(tmp_path: Path, caplog) -> None:
+    """`python run.py task=train ... data=image_folder data.train.root=<16-bit PNGs>`: one line saying that
+    8-bit images are expected (as task=infer says), not that the images do not decode; beside 8-bit
+    photographs, the 16-bit ones are skipped with one warning line counting them."""
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    for seed in range(4):  # two colour and two grey 16-bit PNGs, larger than data=image_folder's render size
+        photo = _photo(seed, 120, 160).astype(np.uint16) * 257
+        cv2.imwrite(str(deep / f"{seed}.png"), photo if seed % 2 else photo[..., 0])
+    result = run_py(
+        "task=train",
+        "backbone=tiny",
+        "trainer=cpu",
+        "data=image_folder",
+        f"data.train.root={deep}",
+        "trainer.max_steps=1",
+        expect_ok=False,
+        cwd=fresh_checkout(tmp_path / "checkout"),
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert error.endswith(
+        f"none of the 1 images of the val split of {deep} is usable: 1 not 8-bit (8-bit images are expected, "
+        "as task=infer expects); convert them to 8-bit"
+    )
+    for seed in range(4, 8):
+        cv2.imwrite(str(deep / f"{seed}.png"), _photo(seed))
+    with caplog.at_level(logging.WARNING):
+        dataset = ImageFolderFlowDataset(root=deep, num_samples=1, size=SIZE, val_fraction=0.25)
+    assert len(dataset.textures.files) + sum(
+        int(line.split("skipped ")[1].split()[0]) for line in caplog.messages if "not 8-bit" in line
+    ) == 6
+    assert all(read_image(path).dtype == np.uint8 for path in dataset.textures.files)
 
 
 def test_a_file_that_fails_to_decode_is_replaced_by_the_next(tmp_path: Path, caplog) -> None:
