@@ -31,6 +31,17 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
   run. A finished stage whose checkpoint is missing or changed, or whose overrides differ from this run's, is
   refused in one line: no stage starts from a stale or missing checkpoint.
 
+Launchers (docs/cluster.md). A stage whose trainer starts processes of its own (`trainer=ddp
+trainer.devices=N`: Lightning's launcher starts each new rank by running the command line of the process it
+runs in again) runs as `python run.py <its overrides> hydra.run.dir=<run dir>/<stage>` in a process of its own
+(`run_child`), whose ranks then run that stage, not the pipeline again; the pipeline reads what it left in its
+folder (`stage_result.json`, StageResult) and passes its stop signals on to it. Under a launcher that starts
+every process itself (torchrun, srun), global rank 0 runs the pipeline and the others join one process group
+for the whole job and train each stage with the config rank 0 sends them (`follow`); only rank 0 moves folders,
+writes the record and evaluates (each evaluation in a process of its own, outside the process group). A process
+of its own per stage keeps Lightning's launchers as they are (a stage is a plain training run); under torchrun
+and srun the processes exist already, and a new process group per stage on torchrun's store hangs.
+
 Each stage start is one line, `pipeline: stage i/N <name> ...`. A stage that fails stops the pipeline with one
 line naming it (PipelineStageError); the finished stages and their record are kept.
 
@@ -81,6 +92,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,13 +105,24 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from flowformer.lit.checkpointing import last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
+from flowformer.tasks.preemption import STOP_SIGNALS, StoppedBySignal
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import in_multirun
 from flowformer.tasks.train import fit
@@ -108,6 +135,10 @@ RECORD_VERSION = 1
 # stages get seed, name and logger from pass_through; quickstart.* is the demo's own).
 JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
 _ABSENT = object()
+# The entry point a stage that runs in a process of its own runs (`python run.py <its overrides>`).
+RUN_PY = Path(__file__).resolve().parents[2] / "run.py"
+# What a stage's run writes into its folder for the pipeline when its training ends (StageResult).
+STAGE_RESULT = "stage_result.json"
 
 
 class PipelineStageError(ValueError):
@@ -195,6 +226,24 @@ def path_value(path: str | Path) -> str:
     return f"{quote}{path}{quote}"
 
 
+def override_value(value: Any) -> str:
+    """A plain value (None, bool, number, string, list, dict) in Hydra's override syntax."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return f"[{','.join(map(override_value, value))}]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{override_value(item)}" for key, item in value.items()) + "}"
+    return path_value(str(value))
+
+
+def config_overrides(key: str, node: DictConfig) -> list[str]:
+    """`++<key>.<name>=<value>` for every setting of `node`, resolved: the node as a command line sets it."""
+    return [f"++{key}.{name}={override_value(value)}" for name, value in OmegaConf.to_container(node, resolve=True).items()]
+
+
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file (a checkpoint: what a later stage started from), read in 1 MiB blocks."""
     digest = hashlib.sha256()
@@ -224,25 +273,146 @@ def set_aside(folder: Path) -> Path | None:
     return checkpoint if checkpoint.is_file() else None
 
 
-def train_stage(stage_cfg: DictConfig) -> tuple[Path, dict[str, float]]:
-    """Fit one stage: (its last.ckpt, the trainer's last logged values)."""
+class StageResult(L.Callback):
+    """What a pipeline stage's training run leaves for the pipeline (`callbacks.stage_result`): when training
+    ends, `path` holds its last.ckpt and the trainer's last logged values, whether the stage ran in the
+    pipeline's process or in one of its own."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        checkpoint = last_checkpoint_path(trainer)
+        metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
+        result = {"checkpoint": None if checkpoint is None else str(checkpoint), "metrics": metrics}
+        atomic_write_text(self.path, json.dumps(result, indent=2))
+
+
+def starts_processes(trainer: DictConfig) -> bool:
+    """Whether Lightning's launcher starts processes of its own for this trainer: more than one device or node
+    (DDP). Its new processes run the command line of the process they were started from again."""
+    devices = trainer.get("devices", 1)
+    one_device = devices in (1, "1") or (isinstance(devices, ListConfig) and len(devices) == 1)
+    return not (one_device and trainer.get("num_nodes", 1) == 1)
+
+
+# Lightning's cluster environments of the launchers that start every process of a job themselves, in the order
+# its trainer looks for them (lightning.pytorch.trainer.connectors.accelerator_connector).
+LAUNCHERS = (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)
+
+
+def launcher_environment() -> ClusterEnvironment | None:
+    """The environment of a launcher (torchrun, srun, ...) that started several processes running this command,
+    found as Lightning's trainer finds it; None in a process of its own."""
+    environment = next((kind() for kind in LAUNCHERS if kind.detect()), None)
+    return environment if environment is not None and environment.world_size() > 1 else None
+
+
+def join_process_group(environment: ClusterEnvironment) -> None:
+    """The default process group of the launcher's processes, set up as Lightning's DDP sets it up (which then
+    finds it there and keeps it for every stage): the main address and port, this process's global rank."""
+    if torch.distributed.is_initialized():
+        return
+    os.environ["MASTER_ADDR"] = environment.main_address
+    os.environ["MASTER_PORT"] = str(environment.main_port)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, rank=environment.global_rank(), world_size=environment.world_size())
+
+
+def send_to_followers(stage_cfg: DictConfig | None) -> None:
+    """From global rank 0 to the launcher's other processes: the config of the stage they train with it next,
+    or None when the stages are over."""
+    config = None if stage_cfg is None else OmegaConf.to_container(stage_cfg, resolve=True)
+    torch.distributed.broadcast_object_list([config], src=0)
+
+
+def follow() -> None:
+    """A launcher's process other than global rank 0: trains every stage with the config rank 0 sends
+    (`send_to_followers`), in the process group, until the stages are over. It reads and writes none of the
+    pipeline's folders and records: rank 0 owns them, and evaluates alone."""
+    while True:
+        message: list[Any] = [None]
+        torch.distributed.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            return
+        log.info("pipeline: rank %d trains %s", torch.distributed.get_rank(), message[0]["paths"]["output_dir"])
+        fit(OmegaConf.create(message[0]))
+        close_loggers()
+
+
+def train_stage(
+    stage_cfg: DictConfig, command: list[str], where: str, resume: str, launched: bool
+) -> tuple[Path, dict[str, float]]:
+    """Fit one stage: in this process; or, when its trainer starts processes of its own (`starts_processes`),
+    as `command` (`python run.py <the stage's overrides>`) in a process of its own, whose new processes then
+    run that stage again rather than this pipeline; or, when a launcher started this job's processes
+    (`launched`), here and in the others (`follow`). Returns (its last.ckpt, the trainer's last logged values),
+    as its StageResult wrote them."""
     if stage_cfg.task not in ("train", "pretrain"):
         raise ValueError(f"task={stage_cfg.task}: a pipeline stage trains (task=train or task=pretrain)")
-    _, trainer = fit(stage_cfg)
-    close_loggers()
-    checkpoint = last_checkpoint_path(trainer)
-    if checkpoint is None:
+    if launched:
+        send_to_followers(stage_cfg)
+    if starts_processes(stage_cfg.trainer) and not launched:
+        run_child(command, where, resume)
+    else:
+        fit(stage_cfg)
+        close_loggers()
+    result_file = Path(stage_cfg.callbacks.stage_result.path)
+    result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    if result.get("checkpoint") is None:
         raise ValueError("it wrote no last.ckpt (callbacks.last_checkpoint is off); the next stage starts from it")
-    metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
-    return checkpoint, metrics
+    return Path(result["checkpoint"]), result["metrics"]
+
+
+class StageRunError(ValueError):
+    """A stage run in a process of its own failed; the message is its error line."""
+
+
+# The line run.py prints for a user error (flowformer/tasks/__init__.py, report_error): `error (<type>): ...`.
+ERROR_LINE = re.compile(r"error(?: \((\w+)\))?: (.*)")
+
+
+def run_child(command: list[str], where: str, resume: str) -> None:
+    """Runs `command` (the pipeline's `where`) to its end, its stderr passed on, the stop signals this process gets passed to it. A stop
+    signal (its own, or one passed on) stops the pipeline (StoppedBySignal; a training run saves its last.ckpt
+    and exits with status 128 + the signal's number); any other failure is a StageRunError with its error
+    line."""
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    received: list[signal.Signals] = []
+
+    def pass_on(signum: int, _: object) -> None:
+        received.append(signal.Signals(signum))
+        process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
+    error_line = None
+    try:
+        for line in process.stderr:
+            sys.stderr.write(line)
+            if match := ERROR_LINE.fullmatch(line.strip()):
+                error_line = f"{match[1] or 'error'}: {match[2]}"
+        status = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    stop = signal.Signals(status - 128) if status - 128 in [int(s) for s in STOP_SIGNALS] else None
+    if (stop := stop or (received[0] if received and status != 0 else None)) is not None:
+        raise StoppedBySignal(stop, f"{where} was stopped by {stop.name} (its last.ckpt is kept); continue with {resume}")
+    if status != 0:
+        ending = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+        raise StageRunError(error_line or f"its training run {ending}")
 
 
 class Pipeline:
     """The stages of one job, run in order into `run_dir`, then the evaluations; `earlier` is the record of a
     run being resumed. `configs` holds every composed stage and evaluation config by name / label."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, stages: list[Stage], earlier: dict | None = None) -> None:
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, stages: list[Stage], earlier: dict | None = None, launched: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.launched = launched
         self.run_dir = run_dir
         self.stages = stages
         self.shared = [str(override) for override in cfg.pipeline.shared]
@@ -289,11 +459,13 @@ class Pipeline:
             through.append(f"logger.wandb.job_type={output_dir.name}")
         return through
 
-    def compose(self, own: list[str], handoff: list[str], output_dir: Path) -> tuple[DictConfig, list, list]:
-        """The config of `python run.py <shared it takes> <own> <row it takes> <handoff>` writing to output_dir,
-        the shared and row overrides routed by `takes`: (config, its overrides without the pass-through ones,
-        the shared and row overrides it did not take)."""
-        tail = [*handoff, *self.pass_through(output_dir)]
+    def compose(
+        self, own: list[str], handoff: list[str], output_dir: Path, through: list[str] = ()
+    ) -> tuple[DictConfig, list, list]:
+        """The config of `python run.py <shared it takes> <own> <row it takes> <handoff> <through>` writing to
+        output_dir, the shared and row overrides routed by `takes`: (config, its overrides without the
+        pass-through ones and `through`, the shared and row overrides it did not take)."""
+        tail = [*handoff, *self.pass_through(output_dir), *through]
         groups = [override for override in self.shared if "." not in override_key(override)]
         probe = hydra.compose("config", overrides=[*groups, *own, *tail])
         choices = [override for override in [*self.shared, *self.row] if override_key(override) == "model"]
@@ -309,8 +481,12 @@ class Pipeline:
         """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json)."""
         ensure_writable_dir(self.run_dir, "the pipeline's run directory")
         checkpoint: Path | None = None
-        for index, stage in enumerate(self.stages, 1):
-            checkpoint = self.run_stage(index, stage, checkpoint)
+        try:
+            for index, stage in enumerate(self.stages, 1):
+                checkpoint = self.run_stage(index, stage, checkpoint)
+        finally:
+            if self.launched:
+                send_to_followers(None)
         backbone = self.configs[self.stages[-1].name].backbone
         first_epes = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
         self.record.update(status="done", metric=first_epes[0] if first_epes else None)
@@ -323,7 +499,11 @@ class Pipeline:
         entry = self.record["stages"][index - 1]
         stage_dir = self.run_dir / stage.name
         handoff = [] if init_from is None else [f"model.init_from={path_value(init_from)}"]
-        stage_cfg, overrides, dropped = self.compose(stage.overrides, handoff, stage_dir)
+        result = [
+            f"+callbacks.stage_result._target_={StageResult.__module__}.{StageResult.__qualname__}",
+            f"+callbacks.stage_result.path={path_value(stage_dir / STAGE_RESULT)}",
+        ]
+        stage_cfg, overrides, dropped = self.compose(stage.overrides, handoff, stage_dir, result)
         self.configs[stage.name] = stage_cfg
         init_sha = None if init_from is None else file_sha256(init_from)
         where = f"stage {index}/{len(self.stages)} {stage.name}"
@@ -333,8 +513,11 @@ class Pipeline:
             log.info("pipeline: %s finished already (%s)", where, entry["checkpoint"])
             return Path(entry["checkpoint"])
         resume_from = set_aside(stage_dir)
+        command = [sys.executable, str(RUN_PY), *overrides, *self.pass_through(stage_dir), *result]
+        command.append(f"hydra.run.dir={path_value(stage_dir)}")
         if resume_from is not None:
             stage_cfg.ckpt_path = str(resume_from)  # as `ckpt_path=` on its command line: an exact resume
+            command.append(f"ckpt_path={path_value(resume_from)}")
             entry["resumed_from"].append(str(resume_from))
         entry.update(
             status="running",
@@ -352,7 +535,9 @@ class Pipeline:
         resuming = f", resuming from {resume_from}" if resume_from is not None else ""
         log.info("pipeline: %s (task=%s) in %s%s", where, stage_cfg.task, stage_dir, resuming)
         with self.attempt(entry, where):
-            checkpoint, metrics = train_stage(stage_cfg)
+            checkpoint, metrics = train_stage(
+                stage_cfg, command, f"pipeline {where}", f"pipeline.resume={self.run_dir}", self.launched
+            )
         entry.update(checkpoint=str(checkpoint), checkpoint_sha256=file_sha256(checkpoint), metrics=metrics)
         self.save()
         return checkpoint
@@ -413,7 +598,12 @@ class Pipeline:
         self.save()
         log.info("pipeline: %s of %s in %s", where, checkpoint, eval_dir)
         with self.attempt(entry, where):
-            eval_task.run(eval_cfg)
+            if self.launched:  # alone, outside the process group the launcher's other processes have left
+                command = [sys.executable, str(RUN_PY), *overrides, *self.pass_through(eval_dir)]
+                command += [*config_overrides("backbone", eval_cfg.backbone), f"hydra.run.dir={path_value(eval_dir)}"]
+                run_child(command, f"pipeline {where}", f"pipeline.resume={self.run_dir}")
+            else:
+                eval_task.run(eval_cfg)
         return first_epe(entry["results_json"])
 
     @contextmanager
@@ -432,7 +622,9 @@ class Pipeline:
                 log.error("pipeline: %s failed", where, exc_info=error)
             cause = cause or error
             status = "failed"
-            error_line = f"{type(cause).__name__}: " + " ".join(line.strip() for line in str(cause).splitlines())
+            error_line = " ".join(line.strip() for line in str(cause).splitlines())
+            if not isinstance(cause, StageRunError):  # its message is the error line of the stage's own process
+                error_line = f"{type(cause).__name__}: {error_line}"
             raise PipelineStageError(
                 f"pipeline {where} failed: {error_line}; the finished stages are kept in {self.run_dir} "
                 f"({RECORD}); continue with pipeline.resume={self.run_dir}"
@@ -470,5 +662,12 @@ def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
 
 
 def run(cfg: DictConfig) -> float | None:
+    """The pipeline; under a launcher (torchrun, srun) global rank 0 runs it and the other processes `follow`."""
+    environment = launcher_environment()
+    if environment is not None:
+        join_process_group(environment)
+        if environment.global_rank() != 0:
+            follow()
+            return None
     run_dir, earlier = pipeline_dir(cfg)
-    return Pipeline(cfg, run_dir, read_stages(cfg.pipeline), earlier).run()["metric"]
+    return Pipeline(cfg, run_dir, read_stages(cfg.pipeline), earlier, environment is not None).run()["metric"]

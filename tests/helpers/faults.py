@@ -24,6 +24,21 @@ class KillAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillGroupOnceAtStep(L.Callback):
+    """SIGKILL the whole process group when the batch after `step` optimiser steps starts, unless `marker`
+    exists (it is created first): a job killed once mid-way (a lost node, the OOM killer), its processes gone
+    without a handler or cleanup. Only for a run started in a session of its own."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step = step
+        self.marker = Path(marker)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step and not self.marker.exists():
+            self.marker.touch()
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 class SignalAtStep(L.Callback):
     """Send the process `signal_name` (SIGTERM, SIGUSR1, ...) when the batch after `step` optimiser steps starts:
     the signal arrives during step `step` + 1. With `group`, the whole process group gets it (DataLoader workers

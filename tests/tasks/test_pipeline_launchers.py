@@ -1,0 +1,124 @@
+"""task=pipeline under the launchers a single run works under (issue 34 item 3): Lightning's own DDP launcher
+(`trainer=ddp`, whose new processes run the command line again), torchrun, and a table's rows as jobs of
+Hydra's submitit launcher. One process owns the pipeline's folders and records; a stage killed mid-way
+resumes with pipeline.resume. Two gloo processes on the CPU stand for two GPUs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from helpers.configs import REPO_DIR
+from helpers.run import fresh_checkout, run_py
+
+# DDP on the CPU (gloo), as tests/tasks/test_ddp.py runs it; helpers.faults importable in every process.
+GLOO = ("trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=1")
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_DIR / "tests")}
+
+
+# A protocol of one or two supervised stages, each {name: [its own overrides]}, with the smoke protocol's sizes.
+PROTOCOL = """\
+# @package _global_
+task: pipeline
+name: {name}
+pipeline:
+  shared: [backbone=tiny, trainer=cpu, trainer.max_steps=2, trainer.val_check_interval=2, trainer.limit_val_batches=1,
+    trainer.log_every_n_steps=1, trainer.enable_progress_bar=false, callbacks.progress_bar=null, data.batch_size=2,
+    data.val_batch_size=2, data.val.synthetic.dataset.num_samples=2, model.train_iters=2, model.num_val_panels=0]
+  stages: {stages}
+  evaluate:
+    plain: [eval=synthetic, eval.benchmarks.synthetic.iters=2, eval.max_samples=2]
+"""
+
+
+def checkout_with_protocol(tmp_path: Path, name: str, **stages: list[str]) -> Path:
+    """A fresh checkout whose conf/protocol/<name>.yaml trains `stages` on synthetic data."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    entries = [{"name": stage, "overrides": ["task=train", "model=flow", "data=synthetic", *own]} for stage, own in stages.items()]
+    text = PROTOCOL.format(name=name, stages=json.dumps(entries))
+    (checkout / "conf" / "protocol" / f"{name}.yaml").write_text(text)
+    return checkout
+
+
+def record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "pipeline.json").read_text())
+
+
+def test_a_table_under_lightning_ddp_runs_every_row_with_one_set_of_records(tmp_path):
+    """`python run.py -m task=pipeline ... trainer=ddp trainer.devices=2`: the rank Lightning starts runs the
+    stage, not the table again; every row is done once, nothing is set aside."""
+    checkout = checkout_with_protocol(tmp_path, "ddp_table", things=[])
+    result = run_py(
+        "-m", "task=pipeline", "protocol=ddp_table", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4", cwd=checkout, env=ENV, timeout=900, expect_ok=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    [sweep] = (checkout / "logs" / "pipeline" / "ddp_table" / "multiruns").iterdir()
+    jobs = sorted(path for path in sweep.iterdir() if path.is_dir() and not path.name.startswith("."))
+    rows = [[override for override in record(job)["row"] if override.startswith("model.optimizer.lr=")] for job in jobs]
+    assert [float(row[0].split("=")[1]) for row in rows] == [2e-4, 1e-4]
+    for job in jobs:
+        done = record(job)
+        assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
+        assert sorted(path.name for path in job.iterdir() if path.is_dir() and path.name != ".hydra") == sorted(
+            [Path(entry["dir"]).name for entry in [*done["stages"], *done["evaluations"]]]
+        )
+        assert torch.load(job / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert output.count("MEMBER: 2/2") == 2  # each row's stage trained on two processes
+
+
+def test_a_ddp_stage_killed_mid_way_resumes_with_pipeline_resume(tmp_path):
+    """The whole job killed (SIGKILL to every process) during step 2 of its DDP stage, then the same command
+    with pipeline.resume: the finished stage is kept, the killed one resumes from its last.ckpt to the end."""
+    kill = f"+callbacks.kill={{_target_:helpers.faults.KillGroupOnceAtStep,step:1,marker:'{tmp_path / 'killed'}'}}"
+    ddp = ["trainer=ddp", "trainer.devices=2", "trainer.max_steps=3", "callbacks.last_checkpoint.every_n_train_steps=1"]
+    checkout = checkout_with_protocol(tmp_path, "ddp_killed", chairs=[], things=[*ddp, kill])
+    command = ("task=pipeline", "protocol=ddp_killed", *GLOO)
+    run_dir = tmp_path / "run"
+    killed = run_py(
+        *command, f"hydra.run.dir={run_dir}", cwd=checkout, env=ENV, new_session=True, timeout=900, expect_ok=False
+    )
+    assert killed.returncode == -9, (killed.stdout + killed.stderr)[-4000:]
+    assert [stage["status"] for stage in record(run_dir)["stages"]] == ["done", "running"]
+
+    resumed = run_py(
+        *command, f"pipeline.resume={run_dir}", f"hydra.run.dir={tmp_path / 'resuming'}", cwd=checkout, env=ENV,
+        timeout=900, expect_ok=False,
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert "pipeline: stage 1/2 chairs finished already" in output
+    done = record(run_dir)
+    assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done", "done"]
+    interrupted = run_dir / "things.interrupted" / "checkpoints" / "last.ckpt"
+    assert done["stages"][1]["resumed_from"] == [str(interrupted)]
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 1
+    assert torch.load(done["stages"][1]["checkpoint"], weights_only=True)["global_step"] == 3
+    assert "MEMBER: 2/2" in output
+
+
+def test_a_pipeline_under_torchrun_is_owned_by_rank_0_and_trained_by_both(tmp_path):
+    """`torchrun --nproc-per-node=2 run.py task=pipeline ...`: both processes train every stage in one process
+    group; rank 0 alone moves, writes and evaluates (the others never touch the pipeline's folders)."""
+    checkout = checkout_with_protocol(tmp_path, "torchrun_table", chairs=[], things=[])
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "run.py",
+         "task=pipeline", "protocol=torchrun_table", "trainer=ddp", "trainer.devices=2", *GLOO],
+        cwd=checkout, env={**os.environ, "WANDB_MODE": "offline", **ENV}, capture_output=True, text=True, timeout=900,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    [run_dir] = (checkout / "logs" / "pipeline" / "torchrun_table" / "runs").iterdir()
+    assert run_dir.name.startswith("torchrun-")  # the directory both processes share
+    done = record(run_dir)
+    assert done["status"] == "done" and done["metric"] is not None
+    assert [entry["status"] for entry in [*done["stages"], *done["evaluations"]]] == ["done", "done", "done"]
+    assert sorted(path.name for path in run_dir.iterdir() if path.is_dir()) == [".hydra", "chairs", "eval_plain", "things"]
+    for stage in ("chairs", "things"):
+        assert f"pipeline: rank 1 trains {run_dir / stage}" in output
+    assert torch.load(run_dir / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
