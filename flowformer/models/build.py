@@ -18,7 +18,14 @@ from torch import nn
 
 from flowformer.models.cost_encoder import INTER_LAYERS, INTRA_LAYERS, CostEncoder, CostPerceiverEncoder
 from flowformer.models.decoder import MemoryDecoder, RecurrentRefinement
-from flowformer.models.encoders import TWINS_DIM, BasicEncoder, TwinsEncoder
+from flowformer.models.encoders import (
+    IMAGENET,
+    TWINS_DIM,
+    TWINS_HEAD_DIM,
+    TWINS_LARGE_WIDTHS,
+    BasicEncoder,
+    TwinsEncoder,
+)
 from flowformer.models.flowformer import FlowFormer
 from flowformer.models.raft_decoder import MultiLevelCostDecoder
 
@@ -86,9 +93,10 @@ class BackboneConfig:
     """The backbone knobs (plain values; stored with checkpoints to rebuild the network). Defaults: the paper's
     FlowFormer, the official `configs/things.py`.
 
-    variant: "flowformer" | "flowformer_pp" (VARIANTS). image_encoder: "twins" (Twins-SVT-Large stages 0-1,
-    feature_dim 256) | "cnn" (GMA's BasicEncoder with `cnn_widths`); twins_weights: "imagenet" (timm's ImageNet
-    weights, from its cache), a local copy of them, or None (random).
+    variant: "flowformer" | "flowformer_pp" (VARIANTS). image_encoder: "twins" (Twins-SVT-Large stages 0-1 of
+    `twins_widths`, feature_dim = twins_widths[1]) | "cnn" (GMA's BasicEncoder with `cnn_widths`);
+    twins_weights: "imagenet" (timm's ImageNet weights, from its cache, for the large widths), a local copy of
+    them, "standin" (a fixed initialisation standing in for them, encoders.STANDIN), or None (random).
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
     agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers): its
     knobs; intra_layer (INTRA_LAYERS), inter_layer (INTER_LAYERS), token_pe, agt_pe: the AGT layer's halves and
@@ -112,6 +120,7 @@ class BackboneConfig:
     cost_patch_dim: int = 64
     num_latent_tokens: int = 8
     latent_dim: int = 128
+    twins_widths: tuple[int, int] = TWINS_LARGE_WIDTHS
     agt_depth: int = 3
     context_proj_dim: int = 64
     # the AGT layer's halves and positional codes, the paper's architecture ablations (docs/ablations.md)
@@ -141,6 +150,7 @@ class BackboneConfig:
                 f"got the string {self.activation_checkpoint!r}"
             )
         object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
+        object.__setattr__(self, "twins_widths", tuple(self.twins_widths))
         unknown = [stage for stage in self.activation_checkpoint if stage not in ACTIVATION_CHECKPOINT_STAGES]
         for knob, least in KNOB_MINIMUMS.items():
             if getattr(self, knob) < least:
@@ -156,10 +166,6 @@ class BackboneConfig:
             (
                 self.cost_encoder in COST_ENCODERS,
                 f"backbone.cost_encoder must be one of {tuple(COST_ENCODERS)}, got {self.cost_encoder!r}",
-            ),
-            (
-                self.image_encoder != "twins" or self.feature_dim == TWINS_DIM,
-                f"backbone.feature_dim must be {TWINS_DIM} with the twins image encoder, got {self.feature_dim}",
             ),
             (
                 self.image_encoder != "cnn" or self.twins_weights is None,
@@ -188,6 +194,29 @@ class BackboneConfig:
                     f"backbone.cost_encoder={self.cost_encoder} is the retired name of backbone.{knob}={value}, "
                     f"which contradicts backbone.{knob}={getattr(self, knob)!r}; drop backbone.cost_encoder"
                 )
+        self._check_twins_knobs()
+
+    def _check_twins_knobs(self) -> None:
+        """The Twins encoder's widths: two multiples of its head width, the second the feature width, and the
+        large ones when it loads the ImageNet weights."""
+        widths = list(self.twins_widths)
+        if len(widths) != 2 or any(width < 1 or width % TWINS_HEAD_DIM for width in widths):
+            raise ValueError(
+                f"backbone.twins_widths must be two positive multiples of {TWINS_HEAD_DIM} (one attention head "
+                f"per {TWINS_HEAD_DIM} channels), got {widths}"
+            )
+        if self.image_encoder != "twins":
+            return
+        if self.feature_dim != widths[-1]:
+            raise ValueError(
+                f"backbone.feature_dim must be the Twins encoder's width, backbone.twins_widths[1] = {widths[-1]}, "
+                f"with the twins image encoder, got {self.feature_dim}"
+            )
+        if self.twins_weights == IMAGENET and self.twins_widths != TWINS_LARGE_WIDTHS:
+            raise ValueError(
+                f"backbone.twins_weights=imagenet are twins_svt_large's weights, {list(TWINS_LARGE_WIDTHS)} wide, "
+                f"but backbone.twins_widths is {widths}: set backbone.twins_weights=null (or standin)"
+            )
             object.__setattr__(self, knob, value)
         if retired:
             object.__setattr__(self, "cost_encoder", BackboneConfig.cost_encoder)
@@ -237,10 +266,11 @@ class BackboneConfig:
     def image_encoder_module(self) -> nn.Module:
         recompute = "image_encoders" in self.activation_checkpoint
         if self.image_encoder == "twins":
-            return TwinsEncoder(twins_weights=self.twins_weights, checkpoint_blocks=recompute)
+            return TwinsEncoder(widths=self.twins_widths, twins_weights=self.twins_weights, checkpoint_blocks=recompute)
         return BasicEncoder(feature_dim=self.feature_dim, cnn_widths=self.cnn_widths, checkpoint_blocks=recompute)
 
     def cost_encoder_module(self) -> CostEncoder:
+            "twins_widths": list(self.twins_widths),
         traits = VARIANTS[self.variant]
         return COST_ENCODERS[self.cost_encoder](
             cost_heads=self.cost_heads,
@@ -340,6 +370,7 @@ def build_flowformer_pp(**knobs) -> FlowFormer:
     return replace(PRESETS["flowformer_pp"], **knobs).build()
 
 
+    twins_widths=(32, 64),
 def build_flowformer_small(**knobs) -> FlowFormer:
     """The paper's FlowFormer-small, with `knobs` changed."""
     return replace(PRESETS["small"], **knobs).build()

@@ -25,10 +25,16 @@ from flowformer.models.layers import recomputed_in_backward
 from flowformer.models.memory_plan import FLOAT_BYTES
 
 TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
+TWINS_LARGE_WIDTHS = (128, TWINS_DIM)  # twins_svt_large's stages 0-1, the widths its ImageNet weights have
+TWINS_HEAD_DIM = 32  # channels per attention head in every twins_svt_large stage (128 / 4, 256 / 8)
 TWINS_LARGE_FINAL_DIM = 1024  # width of twins_svt_large's last stage, the size of its final `norm`
 # backbone.twins_weights value for timm's default twins_svt_large weights (ImageNet-1k, what the official
 # code's timm.create_model('twins_svt_large', pretrained=True) loads), downloaded once into timm's cache
 IMAGENET = "imagenet"
+# backbone.twins_weights value for a fixed initialisation (STANDIN_SEED, not trained) standing in for pretrained
+# weights at a width no published weights have: protocol=smoke's tiny Twins, in the rows that start from ImageNet
+STANDIN = "standin"
+STANDIN_SEED = 0
 TWINS_IMAGENET_FILE = "model.safetensors"  # the file timm reads from that Hugging Face repository
 _TWINS_NOT_BUILT = (
     "head.",
@@ -47,12 +53,13 @@ TWINS_BLOCK_VALUES_PER_CHANNEL = 20
 
 class TwinsEncoder(nn.Module):
     """Stages 0 and 1 of timm's `twins_svt_large` (official `core/FlowFormer/encoders.py`, `twins_svt_large`):
-    [B,3,H,W] -> [B,256,H/8,W/8].
+    [B,3,H,W] -> [B,widths[-1],H/8,W/8]. `widths`: the two stages' widths (TWINS_LARGE_WIDTHS; a smaller Twins for
+    tests and CPU smoke runs, e.g. (32, 64), with one head per TWINS_HEAD_DIM channels as twins_svt_large).
 
     Only stages 0 and 1 are built (building all four and deleting two cost 0.4 GB of peak memory for nothing);
     there is no head, and `svt.norm` (the LayerNorm 1024 after stage 3) is kept, unused, because the official
     checkpoints contain it. `twins_weights`: None (random weights), `IMAGENET` (timm's ImageNet weights from
-    its cache, downloaded there the first time) or a local copy of them (`load_imagenet`).
+    its cache, downloaded there the first time), a local copy of them (`load_imagenet`) or `STANDIN`.
 
     Images need sides of at least 32 pixels: stage 0's sub-sampled attention runs an 8x8-kernel conv on the
     1/4-resolution tokens (stage 1 a 4x4 one on the 1/8-resolution ones).
@@ -60,27 +67,37 @@ class TwinsEncoder(nn.Module):
 
     kind = "twins"
     min_image_side = 32
-    feature_dim = TWINS_DIM
     supports_activation_budget = True
 
-    def __init__(self, *, twins_weights: str | None = None, checkpoint_blocks: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        widths: Sequence[int] = TWINS_LARGE_WIDTHS,
+        twins_weights: str | None = None,
+        checkpoint_blocks: bool = False,
+    ) -> None:
         super().__init__()
         self.checkpoint_blocks = checkpoint_blocks
-        # twins_svt_large's settings for its stages 0 and 1 (timm's twins_svt_large: embed dims 128/256,
-        # heads 4/8, MLP ratio 4, depth 2 each, LSA window 7, GSA sub-sampling 8/4)
-        self.svt = timm.create_model(
-            "twins_svt_large",
-            pretrained=False,
-            embed_dims=[128, 256],
-            num_heads=[4, 8],
-            mlp_ratios=[4, 4],
-            depths=[2, 2],
-            wss=[7, 7],
-            sr_ratios=[8, 4],
-            num_classes=0,
-        )
+        self.feature_dim = widths[-1]
+        standin = twins_weights == STANDIN
+        with torch.random.fork_rng(devices=[], enabled=standin):
+            if standin:
+                torch.manual_seed(STANDIN_SEED)
+            # twins_svt_large's settings for its stages 0 and 1 (timm's twins_svt_large: embed dims 128/256,
+            # heads 4/8, MLP ratio 4, depth 2 each, LSA window 7, GSA sub-sampling 8/4)
+            self.svt = timm.create_model(
+                "twins_svt_large",
+                pretrained=False,
+                embed_dims=list(widths),
+                num_heads=[width // TWINS_HEAD_DIM for width in widths],
+                mlp_ratios=[4, 4],
+                depths=[2, 2],
+                wss=[7, 7],
+                sr_ratios=[8, 4],
+                num_classes=0,
+            )
         self.svt.norm = nn.LayerNorm(TWINS_LARGE_FINAL_DIM, eps=1e-6)
-        if twins_weights is not None:
+        if twins_weights not in (None, STANDIN):
             self.load_imagenet(twins_weights)
 
     def load_imagenet(self, source: str | Path) -> None:
@@ -112,7 +129,7 @@ class TwinsEncoder(nn.Module):
             ) from None
 
     def forward(self, x: Tensor, activation_budget: int | None = None) -> Tensor:
-        """[B, 3, H, W] -> [B, 256, H/8, W/8]. activation_budget (bytes; None: at once) runs each transformer
+        """[B, 3, H, W] -> [B, widths[-1], H/8, W/8]. activation_budget (bytes; None: at once) runs each transformer
         block over blocks of token rows (`_block_in_row_blocks`), with the same numbers to float rounding."""
         batch = x.shape[0]
         svt = self.svt

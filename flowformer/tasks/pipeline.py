@@ -417,7 +417,9 @@ class Pipeline:
         self.stages = stages
         self.shared = [str(override) for override in cfg.pipeline.shared]
         self.evaluate = {str(label): [str(o) for o in overrides] for label, overrides in cfg.pipeline.evaluate.items()}
-        self.row = row_overrides(cfg)
+        written = row_overrides(cfg)  # the record's row: what task=report matches the paper's rows on
+        substitutes = {str(override): str(run) for override, run in cfg.pipeline.substitutes.items()}
+        self.row = [substitutes.get(override, override) for override in written]  # what the runs take
         self.configs: dict[str, DictConfig] = {}
         earlier_stages = {entry["name"]: entry for entry in (earlier or {}).get("stages", [])}
         earlier_evaluations = {entry["label"]: entry for entry in (earlier or {}).get("evaluations", [])}
@@ -426,7 +428,7 @@ class Pipeline:
             "run_dir": str(run_dir.resolve()),
             "name": str(cfg.name),
             "status": "running",
-            "row": self.row,
+            "row": written,
             "metric": None,
             "stages": [earlier_stages.get(stage.name) or self.new_entry(stage.name) for stage in stages],
             "evaluations": [

@@ -1,23 +1,32 @@
 """The paper's tables (conf/paper/) and the sweeps that run them: every table is well formed and transcribed
 consistently, a paper_* sweep's jobs are exactly its table's rows and each job's pipeline.row is its row's
-overrides, the MCVA grids (conf/sweep/mcva_*.yaml) cover their tables, and every row of those tables builds and
-trains 2 steps on the tiny sizes at 64x96 (in this process, through the training task's fit, as a pipeline's
-stage runs it)."""
+overrides, the MCVA grids (conf/sweep/mcva_*.yaml) cover their tables, and the README's smoke command of every
+table sweep, `python run.py -m task=pipeline protocol=smoke sweep=<table>`, trains every row to the end through
+a smoke version of the table's own protocol, each row with its own results (one table from a fresh checkout in
+a subprocess, the others in this process: the same run.py, without an interpreter's start-up per table)."""
 
 import itertools
+import json
+import math
 
 import pytest
+import torch
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
+from flowformer.tasks.pipeline import first_epe, read_stages
 from flowformer.tasks.report import PAPER_COLUMNS, PARAMS_KEY, override_values
-from flowformer.tasks.train import fit
 
-from helpers.compose import compose_run_config, compose_tiny_config
+from helpers.compose import compose_run_config
 from helpers.configs import CONF_DIR
+from helpers.run import fresh_checkout, run_py, run_py_in_this_process
 
 TABLES = sorted(path.stem for path in (CONF_DIR / "paper").glob("*.yaml"))
 PAPER_SWEEPS = sorted(path.stem for path in (CONF_DIR / "sweep").glob("paper_*.yaml"))
+# every sweep that trains a table's rows, one job per row: the paper tables' and the MCVA grids
+TABLE_SWEEPS = [*PAPER_SWEEPS, *sorted(path.stem for path in (CONF_DIR / "sweep").glob("mcva_*.yaml"))]
+# the table whose smoke command runs as a user types it, in a fresh checkout
+IN_A_FRESH_CHECKOUT = "paper_agt_mlp_conv"
 
 
 def read_table(name: str) -> dict:
@@ -27,23 +36,6 @@ def read_table(name: str) -> dict:
 # The rows of the tables of paper_* sweeps (the MCVA tables' rows are the grids of conf/sweep/mcva_*.yaml, whose
 # knobs tests/conf/test_mcva.py follows into the pretraining module).
 PAPER_ROWS = [(table, row) for table in PAPER_SWEEPS for row in read_table(table)["rows"]]
-
-# The settings of a training run on the tiny sizes, 2 steps, as the smoke protocol's stages: supervised for a row
-# of network knobs, pretraining for a row that sets the pretraining objective or its knobs (model=, model.*).
-SUPERVISED = ["debug=tiny", "trainer.limit_val_batches=0", "callbacks=none"]
-PRETRAINING = [
-    "backbone=tiny",
-    "task=pretrain",
-    "data=synthetic_video",
-    "trainer=cpu",
-    "trainer.max_steps=2",
-    "data.batch_size=2",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "callbacks=none",
-]
-MCVA_QUICK = ["model.query_num=2", "model.log_images_every_n_steps=0"]  # 2 query rounds a step, no pictures
-
 
 def test_every_table_has_its_caption_and_rows_with_overrides_and_published_numbers():
     for name in TABLES:
@@ -99,35 +91,79 @@ def test_an_mcva_grid_runs_every_row_of_its_table(table):
         assert any(all(job.get(key) == value for key, value in wanted.items()) for job in jobs), row["label"]
 
 
-def tiny_run_overrides(row_overrides: list[str]) -> list[str]:
-    """A row's overrides on the tiny sizes: the Twins encoder without ImageNet weights (none on a test machine)
-    and with its 256 channels (the tiny backbone has 64), on the supervised or the pretraining settings."""
-    row = [override for override in row_overrides if not override.startswith("backbone.twins_weights=")]
-    if "backbone.image_encoder=twins" in row:
-        row += ["backbone.feature_dim=256"]
-    if not any(override.startswith("model") for override in row):
-        return [*SUPERVISED, *row]
-    model = next((override for override in row if override.startswith("model=")), "model=mcva")
-    quick = MCVA_QUICK if model == "model=mcva" else ["model.train_iters=2"]
-    return [*PRETRAINING, model, *quick, *(override for override in row if override != model)]
-
-
-@pytest.mark.parametrize(("table", "row"), PAPER_ROWS)
-def test_every_row_builds_and_trains_two_steps_on_the_tiny_sizes(table, row, tmp_path):
-    row_overrides = read_table(table)["rows"][row]["overrides"]
-    overrides = tiny_run_overrides(row_overrides)
-    cfg = compose_tiny_config(*overrides, f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path / 'run'}")
-    trainer = fit(cfg)[1]
-    assert trainer.global_step == 2
-    built = trainer.lightning_module.backbone.config
-    for key, value in override_values(overrides).items():
-        if key.startswith("backbone."):
-            assert built[key.removeprefix("backbone.")] == value, key
-
-
 def test_the_main_tables_rows_are_protocols():
     """Its rows differ in their whole training (one run each, no sweep): each row's overrides compose a
     pipeline, compared with the evaluation the row names."""
     for row in read_table("paper_comparison")["rows"].values():
         cfg = compose_run_config(row["overrides"])
         assert cfg.task == "pipeline" and row["evaluation"] in cfg.pipeline.evaluate, row["label"]
+
+
+def table_protocol(sweep: str) -> str:
+    """The protocol that trains a table sweep's rows: its table's (conf/paper/<table>.yaml `protocol`); the MCVA
+    grids without a table are MCVA ablations."""
+    path = CONF_DIR / "paper" / f"{sweep}.yaml"
+    return read_table(sweep)["protocol"] if path.is_file() else "mcva_ablation"
+
+
+def test_every_paper_sweeps_table_names_the_protocol_its_documented_command_runs():
+    for sweep in PAPER_SWEEPS:
+        protocol = table_protocol(sweep)
+        assert (CONF_DIR / "protocol" / f"{protocol}.yaml").is_file(), sweep
+        assert f"protocol={protocol} sweep={sweep}" in (CONF_DIR / "sweep" / f"{sweep}.yaml").read_text(), sweep
+
+
+def test_the_smoke_protocol_shrinks_each_tables_protocol_stage_for_stage():
+    """protocol=smoke trains the stages of the protocol a table names: as many, pretraining where it pretrains
+    (its MCVA stage), supervised where it trains on flow."""
+    for protocol in sorted({table_protocol(sweep) for sweep in TABLE_SWEEPS}):
+        smoke = compose_run_config(["task=pipeline", "protocol=smoke"])
+        with open_dict(smoke):
+            smoke.paper_table = {"protocol": protocol}  # as a sweep=paper_* loads its table
+        real = read_stages(compose_run_config([f"protocol={protocol}"]).pipeline)
+        shrunk = read_stages(smoke.pipeline)
+        assert len(shrunk) == len(real), protocol
+        for real_stage, smoke_stage in zip(real, shrunk):
+            pretrains = any(override.startswith("experiment=mcva_pretrain") for override in real_stage.overrides)
+            assert ("task=pretrain" in smoke_stage.overrides) == pretrains, (protocol, real_stage.name)
+
+
+def job_results(record: dict) -> tuple:
+    """What a finished pipeline job measured: each stage's last training loss, each evaluation's first epe."""
+    losses = [stage["metrics"]["train/loss"] for stage in record["stages"]]
+    return (*losses, *(first_epe(evaluation["results_json"]) for evaluation in record["evaluations"]))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread while the table runs: its tiny networks take longer on two threads of two shared
+    cores, whose waits for each other dominate (the subprocess: OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("sweep", TABLE_SWEEPS)
+def test_the_smoke_command_of_a_table_trains_every_row_through_its_protocol(sweep, tmp_path, one_torch_thread):
+    command = ["-m", "task=pipeline", "protocol=smoke", f"sweep={sweep}"]
+    if sweep == IN_A_FRESH_CHECKOUT:
+        root = fresh_checkout(tmp_path / "checkout")
+        run_py(*command, cwd=root, timeout=900, env={"OMP_NUM_THREADS": "1"})
+    else:
+        root = tmp_path
+        assert run_py_in_this_process(*command, cwd=root) == 0
+    [sweep_dir] = (root / "logs" / "pipeline").glob("*/multiruns/*")
+    records = [json.loads(path.read_text()) for path in sorted(sweep_dir.glob("*/pipeline.json"))]
+    params = compose_run_config(command[1:]).hydra.sweeper.params
+    assert len(records) == math.prod(len(str(values).split(",")) for values in params.values())
+    assert all(record["status"] == "done" for record in records)
+    pretrains = table_protocol(sweep) == "mcva_ablation"
+    for record in records:
+        assert [stage["task"] for stage in record["stages"]] == ["pretrain"] * pretrains + ["train", "train"]
+        if "backbone.twins_weights=imagenet" in record["row"]:  # run with the tiny Twins' stand-in weights
+            assert all("backbone.twins_weights=standin" in stage["overrides"] for stage in record["stages"])
+    assert len({job_results(record) for record in records}) == len(records)  # every row its own results
+    if sweep in PAPER_SWEEPS:  # each job's record has its row's overrides as written: task=report's match
+        rows = [row["overrides"] for row in read_table(sweep)["rows"].values()]
+        assert sorted(record["row"] for record in records) == sorted(rows)

@@ -1,11 +1,16 @@
 """`python run.py <overrides>` in a subprocess, as a user types it: the helper the end-to-end tests share, and
-the fresh checkout a new user types it in."""
+the fresh checkout a new user types it in; the same command run in this process, where a subprocess per
+command costs too much."""
 
+import logging
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
 
 from helpers.configs import REPO_DIR
 
@@ -65,3 +70,24 @@ def run_py(
     if expect_ok and result.returncode != 0:
         raise AssertionError(f"run.py {' '.join(overrides)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def run_py_in_this_process(*overrides: str, cwd: Path) -> int:
+    """`python run.py <overrides>` started in `cwd`, run in this process as `python` runs a script (runpy, as
+    __main__: the same run.py, Hydra and tasks, without a new interpreter's start-up); returns its exit status.
+    The working directory, sys.argv, Hydra's job config and the root logger's handlers are put back after."""
+    root = logging.getLogger()
+    handlers, level, argv, started_in = root.handlers[:], root.level, sys.argv, Path.cwd()
+    sys.argv = [str(REPO_DIR / "run.py"), *overrides]
+    os.chdir(cwd)
+    try:
+        runpy.run_path(str(REPO_DIR / "run.py"), run_name="__main__")
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    finally:
+        sys.argv = argv
+        os.chdir(started_in)
+        HydraConfig.instance().cfg = None
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return 0

@@ -243,7 +243,7 @@ def test_bounded_forward_encodes_the_pair_in_row_blocks_or_one_image_at_a_time(i
     runs it on the pair as one batch (as the official code); a bounded plan keeps the pair for Twins, whose
     blocks then run over rows, and runs the CNN on each image in turn; the features stay the dense ones."""
     twins = image_encoder == "twins"
-    net = tiny(image_encoder="twins", feature_dim=256) if twins else tiny()
+    net = tiny(image_encoder="twins") if twins else tiny()
     batches = []
     net.memory_encoder.feat_encoder.register_forward_hook(
         lambda module, args, out: batches.append(len(args[0]))

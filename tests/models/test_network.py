@@ -244,8 +244,12 @@ def test_decoder_query_rejects_unknown_source() -> None:
 def test_bad_settings_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="variant"):
         build_flowformer(variant="raft")
-    with pytest.raises(ValueError, match="feature_dim must be 256"):
+    with pytest.raises(ValueError, match=r"feature_dim must be the Twins encoder's width, .* = 256"):
         build_flowformer(image_encoder="twins", feature_dim=64)
+    with pytest.raises(ValueError, match="twins_widths must be two positive multiples of 32"):
+        build_flowformer(image_encoder="twins", twins_widths=[48, 64], feature_dim=64)
+    with pytest.raises(ValueError, match=r"twins_weights=imagenet are twins_svt_large's weights, \[128, 256\]"):
+        build_flowformer(image_encoder="twins", twins_widths=[32, 64], feature_dim=64, twins_weights="imagenet")
     with pytest.raises(FileNotFoundError, match="twins_weights"):
         build_flowformer(image_encoder="twins", twins_weights="/nonexistent/twins.pth")
     with pytest.raises(ValueError, match="cost_encoder must be one of"):

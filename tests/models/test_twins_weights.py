@@ -116,7 +116,7 @@ def test_a_stage_without_network_fails_before_any_work_in_one_line(offline_hub, 
 def test_a_checkpoint_to_run_replaces_the_imagenet_weights_unread(offline_hub, tmp_path):
     """task=eval / task=infer with an experiment's backbone (twins_weights=imagenet) and a checkpoint: the
     checkpoint's weights are loaded and the ImageNet weights are not fetched (offline, nothing cached)."""
-    twins = ["backbone.image_encoder=twins", "backbone.feature_dim=256"]
+    twins = ["backbone.image_encoder=twins", "backbone.feature_dim=256", "backbone.twins_widths=[128,256]"]
     backbone = compose_tiny_config(*twins, "backbone.twins_weights=imagenet").backbone
     trained = hydra.utils.instantiate(backbone, twins_weights=None)
     save_backbone(tmp_path / "twins.pt", trained)
@@ -128,7 +128,12 @@ def test_a_resumed_run_and_its_checkpoint_do_not_read_the_imagenet_weights(offli
     """Resuming (ckpt_path) a run whose backbone says twins_weights=imagenet builds the network without fetching
     them (offline, nothing cached): the checkpoint holds the weights. Its hyper-parameters store null, so a
     later FlowModule.load_from_checkpoint does not fetch them either."""
-    twins = ["backbone.image_encoder=twins", "backbone.feature_dim=256", "backbone.twins_weights=imagenet"]
+    twins = [
+        "backbone.image_encoder=twins",
+        "backbone.feature_dim=256",
+        "backbone.twins_widths=[128,256]",
+        "backbone.twins_weights=imagenet",
+    ]
     cfg = compose_tiny_config(*twins, f"ckpt_path={tmp_path / 'last.ckpt'}")
     model = build_model(cfg)
     assert model.hparams["backbone"]["twins_weights"] is None

@@ -106,6 +106,7 @@ def test_to_official_needs_no_imagenet_file_a_run_started_from(tmp_path):
     twins_run = (
         "backbone.image_encoder=twins",
         "backbone.feature_dim=256",
+        "backbone.twins_widths=[128,256]",
         f"backbone.twins_weights={twins}",
     )
     module = hydra.utils.instantiate(config(*twins_run).model)
