@@ -17,7 +17,9 @@ sweep launched) or one run's directory. Of each job it reads:
 - every `val/<set>/epe` of the `csv/metrics.csv` files against the training step, for `report.png`.
 
 A job is `done`, `failed` (in failed_jobs.jsonl, or its pipeline failed; its error line is kept), `stopped`
-(a pipeline stopped by a signal) or `running` (no results yet: running, or killed without a record).
+(a pipeline stopped by a signal), `running` (no results yet: running, or killed without a record) or
+`unreadable` (one of its files is damaged or holds what it should not: the file and why are its error; the
+report is written for the other jobs, then the task exits with status 1).
 
 The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
 `conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
@@ -42,7 +44,8 @@ import io
 import json
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -51,13 +54,14 @@ from typing import Any
 import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import track
 
 from flowformer.models.output_files import atomic_write, atomic_write_text
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.sweeps import failed_jobs
+from flowformer.tasks.sweeps import FAILED_JOBS
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +102,52 @@ class Job:
     number: int | None = None  # its job number in the multirun (hydra.job.num)
 
 
+class UnreadableFile(ValueError):
+    """A job's file that the report cannot read (damaged, or holding what it does not expect): its path and why."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+
+
+# What reading a damaged file's content raises: a missing field, a value of another type or form.
+CONTENT_ERRORS = (AttributeError, IndexError, KeyError, TypeError, ValueError)
+
+
+def damage(error: Exception) -> str:
+    """What is wrong with a file's content, from what reading it raised."""
+    if isinstance(error, KeyError):
+        return f"no {error} field"
+    return f"unexpected content ({type(error).__name__}: {error})"
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Turns what a damaged `path` raises while its content is read into an UnreadableFile naming it."""
+    try:
+        yield
+    except UnreadableFile:
+        raise
+    except CONTENT_ERRORS as error:
+        raise UnreadableFile(path, damage(error)) from None
+
+
 def read_json(path: Path) -> Any:
-    """A JSON file's content, or None when it is missing or only partly written (a job still running)."""
+    """A JSON file's content, or None when it is missing (a job still running); UnreadableFile when damaged."""
     try:
         return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as error:
+        raise UnreadableFile(path, f"not readable as JSON ({error})") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content (plain data only: a `!!python/...` tag is refused, never run), or UnreadableFile."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        reason = getattr(error, "problem", None) or getattr(error, "strerror", None) or str(error)
+        raise UnreadableFile(path, f"not readable as YAML ({reason.splitlines()[0]})") from None
 
 
 def job_directories(runs: Path) -> list[Path]:
@@ -118,62 +162,103 @@ def job_directories(runs: Path) -> list[Path]:
 
 def launched_jobs(runs: Path) -> int | None:
     """How many jobs the sweep of `runs` launched, as its multirun.yaml records the sweep: the combinations
-    of its swept values (Hydra's basic sweeper), a sweeper's n_trials (Optuna), else None (not a multirun)."""
+    of its swept values (Hydra's basic sweeper), a sweeper's n_trials (Optuna), else None (not a multirun, or
+    a damaged record: a warning)."""
     record = runs / "multirun.yaml"
-    config = yaml.safe_load(record.read_text()) if record.is_file() else None
-    if not isinstance(config, dict):
+    if not record.is_file():
         return None
-    hydra_cfg = config.get("hydra") or {}
-    sweeper = hydra_cfg.get("sweeper") or {}
-    if not str(sweeper.get("_target_")).endswith("BasicSweeper"):
-        return sweeper.get("n_trials")
-    swept = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
-    overrides = [*swept, *((hydra_cfg.get("overrides") or {}).get("task") or [])]
-    return len(BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0])
+    try:
+        with reading(record):
+            hydra_cfg = read_yaml(record)["hydra"]
+            sweeper = hydra_cfg.get("sweeper") or {}
+            if not str(sweeper.get("_target_")).endswith("BasicSweeper"):
+                return sweeper.get("n_trials")
+            swept = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+            overrides = OverridesParser.create().parse_overrides([*swept, *hydra_cfg["overrides"]["task"]])
+            return len(BasicSweeper.split_arguments(overrides, None)[0])
+    except (UnreadableFile, HydraException) as error:
+        log.warning("how many jobs the sweep launched is not known: %s", error)
+        return None
 
 
-def read_metrics(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics.csv (SafeCSVLogger: one column per logged name, empty where not logged)."""
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """The rows of a metrics.csv (SafeCSVLogger: one column per logged name, empty where not logged) as numbers,
+    the empty cells left out; UnreadableFile naming the line that holds something else."""
     if not path.is_file():
         return []
+    rows = []
     with path.open(newline="") as file:
-        return list(csv.DictReader(file))
+        reader = csv.DictReader(file)
+        for row in reader:
+            try:
+                rows.append(
+                    {column: float(value) for column, value in row.items() if value not in ("", None)}
+                )
+            except (TypeError, ValueError) as error:
+                raise UnreadableFile(path, f"line {reader.line_num} is not numbers ({error})") from None
+    return rows
 
 
-def validation_curves(rows: list[dict[str, str]], panel_prefix: str) -> dict[str, list[tuple[int, float]]]:
+def validation_curves(rows: list[dict[str, float]], panel_prefix: str) -> dict[str, list[tuple[int, float]]]:
     """Every `val/<set>/epe` column against the step: {"<prefix>val/<set>/epe": [(step, value), ...]}."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         for column, value in row.items():
-            if column.startswith("val/") and column.endswith("/epe") and value not in ("", None):
-                curves.setdefault(panel_prefix + column, []).append((int(float(row["step"])), float(value)))
+            if column.startswith("val/") and column.endswith("/epe"):
+                curves.setdefault(panel_prefix + column, []).append((int(row["step"]), value))
     return curves
 
 
-def last_validation(rows: list[dict[str, str]]) -> dict[str, float]:
+def last_validation(rows: list[dict[str, float]]) -> dict[str, float]:
     """The last logged value of every `val/<set>/<metric>`, as `<set>/<metric>`."""
     values: dict[str, float] = {}
     for row in rows:
-        for column, value in row.items():
-            if column.startswith("val/") and value not in ("", None):
-                values[column.removeprefix("val/")] = float(value)
+        values.update(
+            {column.removeprefix("val/"): v for column, v in row.items() if column.startswith("val/")}
+        )
     return values
 
 
 def parameter_count(run_dir: Path) -> int | None:
     """The network's parameter count its run_info.json records (written at the start of a training run)."""
-    info = read_json(run_dir / "run_info.json")
-    return ((info or {}).get("parameters") or {}).get("total")
+    path = run_dir / "run_info.json"
+    with reading(path):
+        return ((read_json(path) or {}).get("parameters") or {}).get("total")
 
 
 def moved(path: str | None, recorded_dir: str | None, job_dir: Path) -> Path | None:
-    """A path pipeline.json records, in this job's folder wherever the folder is now (a copied multirun)."""
+    """A path pipeline.json records (relative to the run directory, or absolute), in this job's folder wherever
+    the folder is now (a copied multirun)."""
     if not path:
         return None
     recorded = Path(path)
+    if not recorded.is_absolute():
+        return job_dir / recorded
     if recorded.exists() or recorded_dir is None or not recorded.is_relative_to(recorded_dir):
         return recorded
     return job_dir / recorded.relative_to(recorded_dir)
+
+
+def evaluation_results(path: Path) -> dict[str, float]:
+    """An eval_results.json's metrics as `<set>/<metric>` -> value."""
+    with reading(path):
+        sets = (read_json(path) or {"results": {}})["results"].items()
+        return {f"{name}/{metric}": float(value) for name, values in sets for metric, value in values.items()}
+
+
+def read_stage_runs(job: Job, record: dict[str, Any]) -> None:
+    """The parameter count (the last stage's network) and validation curves of a pipeline's stages."""
+    for stage in record.get("stages", []):
+        stage_dir, panel_prefix = (
+            moved(stage.get("dir"), record.get("run_dir"), job.directory),
+            f"{stage['name']}: ",
+        )
+        if stage_dir is None:
+            continue
+        job.parameters = parameter_count(stage_dir) or job.parameters
+        metrics = stage_dir / "csv" / "metrics.csv"
+        with reading(metrics):
+            job.curves.update(validation_curves(read_metrics(metrics), panel_prefix))
 
 
 def read_pipeline(job: Job, record: dict[str, Any]) -> None:
@@ -187,37 +272,31 @@ def read_pipeline(job: Job, record: dict[str, Any]) -> None:
     job.evaluations = [evaluation["label"] for evaluation in evaluations]
     for evaluation in evaluations:
         results_json = moved(evaluation.get("results_json"), record.get("run_dir"), job.directory)
-        results = read_json(results_json) if evaluation.get("status") == "done" and results_json else None
-        for set_name, values in ((results or {}).get("results") or {}).items():
-            job.results.update({f"{evaluation['label']}:{set_name}/{m}": v for m, v in values.items()})
-    for stage in stages:
-        stage_dir = moved(stage.get("dir"), record.get("run_dir"), job.directory)
-        if stage_dir is None:
-            continue
-        job.parameters = parameter_count(stage_dir) or job.parameters  # the last stage's network
-        rows = read_metrics(stage_dir / "csv" / "metrics.csv")
-        job.curves.update(validation_curves(rows, f"{stage['name']}: "))
+        if evaluation.get("status") == "done" and results_json:
+            results = evaluation_results(results_json)
+            job.results.update({f"{evaluation['label']}:{key}": value for key, value in results.items()})
 
 
-def training_finished(run_dir: Path, rows: list[dict[str, str]]) -> bool:
+def training_finished(run_dir: Path, rows: list[dict[str, float]]) -> bool:
     """A training run reached trainer.max_steps: last.ckpt is written and its metrics reach the last step."""
     config = run_dir / "config_resolved.yaml"
     if not (run_dir / "checkpoints" / "last.ckpt").is_file() or not config.is_file() or not rows:
         return False
-    max_steps = (yaml.safe_load(config.read_text()).get("trainer") or {}).get("max_steps")
-    last_step = max(int(float(row["step"])) for row in rows if row.get("step"))
+    with reading(config):
+        max_steps = (read_yaml(config).get("trainer") or {}).get("max_steps")
+    last_step = max((int(row["step"]) for row in rows if "step" in row), default=-1)
     return max_steps is not None and last_step + 1 >= max_steps
 
 
 def read_run(job: Job, run_dir: Path) -> None:
     """Status, results, parameter count, training time and curves of any other run (task=train, pretrain,
     eval): its eval_results.json, else the last validation values of its metrics.csv."""
-    rows = read_metrics(run_dir / "csv" / "metrics.csv")
-    evaluation = read_json(run_dir / "eval_results.json")
-    if evaluation is not None:
-        sets = evaluation["results"].items()
-        job.results = {f"{name}/{metric}": value for name, values in sets for metric, value in values.items()}
-        job.status = "done"
+    metrics, results = run_dir / "csv" / "metrics.csv", run_dir / "eval_results.json"
+    with reading(metrics):
+        rows = read_metrics(metrics)
+        job.curves = validation_curves(rows, "")
+    if results.is_file():
+        job.results, job.status = evaluation_results(results), "done"
     else:
         job.results = last_validation(rows)
         job.status = "done" if training_finished(run_dir, rows) else "running"
@@ -225,45 +304,85 @@ def read_run(job: Job, run_dir: Path) -> None:
     checkpoint, info = run_dir / "checkpoints" / "last.ckpt", run_dir / "run_info.json"
     if checkpoint.is_file() and info.is_file():  # run_info.json is written as training starts
         job.train_s = checkpoint.stat().st_mtime - info.stat().st_mtime
-    job.curves = validation_curves(rows, "")
 
 
 def read_job(job_dir: Path) -> Job:
-    """A job folder: its overrides, sweep and repository (.hydra/), then its pipeline record or run files."""
-    overrides = [str(item) for item in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text())]
-    hydra_yaml = job_dir / ".hydra" / "hydra.yaml"
-    hydra_cfg = yaml.safe_load(hydra_yaml.read_text())["hydra"] if hydra_yaml.is_file() else {}
-    job = Job(
-        name=job_dir.name,
-        directory=job_dir,
-        overrides=overrides,
-        row=overrides,
-        sweep=((hydra_cfg.get("runtime") or {}).get("choices") or {}).get("sweep"),
-        number=(hydra_cfg.get("job") or {}).get("num"),
-    )
-    record = read_json(job_dir / PIPELINE_RECORD)
-    if record is not None:
-        read_pipeline(job, record)
-    else:
+    """A job folder: its overrides, sweep and number (.hydra/), then its pipeline record or run files;
+    UnreadableFile when one of them is damaged."""
+    overrides_yaml, hydra_yaml = job_dir / ".hydra" / "overrides.yaml", job_dir / ".hydra" / "hydra.yaml"
+    overrides = read_yaml(overrides_yaml)
+    if not isinstance(overrides, list):
+        found = "nothing" if overrides is None else f"{overrides!r:.60}"
+        raise UnreadableFile(overrides_yaml, f"expected the list of the job's overrides, found {found}")
+    with reading(hydra_yaml):
+        hydra_cfg = read_yaml(hydra_yaml)["hydra"] if hydra_yaml.is_file() else {}
+        job = Job(
+            name=job_dir.name,
+            directory=job_dir,
+            overrides=[str(item) for item in overrides],
+            row=[str(item) for item in overrides],
+            sweep=((hydra_cfg.get("runtime") or {}).get("choices") or {}).get("sweep"),
+            number=(hydra_cfg.get("job") or {}).get("num"),
+        )
+    record_path = job_dir / PIPELINE_RECORD
+    record = read_json(record_path)
+    if record is None:
         read_run(job, job_dir)
+        return job
+    with reading(record_path):
+        read_pipeline(job, record)
+        read_stage_runs(job, record)
     return job
+
+
+def unreadable_job(name: str, directory: Path | None, error: UnreadableFile) -> Job:
+    """The report's row of a job whose files could not be read: its folder and the damaged file with why."""
+    head = name.partition("_")[0]
+    number = int(head) if head.isdigit() else None
+    return Job(name, directory, [], [], status="unreadable", error=str(error), number=number)
+
+
+def failed_records(runs: Path) -> tuple[list[dict[str, Any]], list[Job]]:
+    """The failed jobs' records of failed_jobs.jsonl, and a job row for each line that is not one (a truncated
+    last line)."""
+    path = runs / FAILED_JOBS
+    records, damaged = [], []
+    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            overrides = [str(item) for item in record["overrides"]]
+            records.append({"job": int(record["job"]), "overrides": overrides, "error": str(record["error"])})
+        except CONTENT_ERRORS as error:
+            problem = UnreadableFile(path, f"line {number}: {damage(error)}")
+            damaged.append(unreadable_job(f"{FAILED_JOBS} line {number}", None, problem))
+    return records, damaged
 
 
 def read_jobs(runs: Path) -> list[Job]:
     """Every job of `runs`, with a progress bar over the folders read; failed jobs (failed_jobs.jsonl) are
-    marked so, and those that left no folder are listed from their record."""
-    folders = job_directories(runs)
+    marked so, those that left no folder are listed from their record, and each job (or failed_jobs.jsonl
+    line) with a damaged file is listed as unreadable with that file and why."""
+    jobs = []
     console = Console(stderr=True)
-    jobs = [read_job(folder) for folder in track(folders, "reading jobs", console=console, transient=True)]
+    for folder in track(job_directories(runs), "reading jobs", console=console, transient=True):
+        try:
+            jobs.append(read_job(folder))
+        except UnreadableFile as error:
+            jobs.append(unreadable_job(folder.name, folder, error))
     by_number = {job.number: job for job in jobs}
-    for record in failed_jobs(runs):
+    records, damaged = failed_records(runs)
+    for record in records:
         job = by_number.get(record["job"])
         if job is None:
-            overrides = [str(override) for override in record["overrides"]]
-            job = Job(f"#{record['job']}", None, overrides, overrides, number=record["job"])
+            job = Job(
+                f"#{record['job']}", None, record["overrides"], record["overrides"], number=record["job"]
+            )
             jobs.append(job)
-        job.status, job.error = "failed", record["error"]
-    return sorted(jobs, key=lambda job: (job.number is None, job.number or 0, job.name))
+        if job.status != "unreadable":
+            job.status, job.error = "failed", record["error"]
+    return sorted(jobs, key=lambda job: (job.number is None, job.number or 0, job.name)) + damaged
 
 
 def load_table(tables_dir: Path, name: str, explicit: bool) -> dict[str, Any] | None:
@@ -298,10 +417,11 @@ def match_row(table: dict[str, Any], job: Job) -> dict[str, Any] | None:
 
 
 def job_names(jobs: list[Job]) -> dict[str, str]:
-    """Each job's name: the overrides of its command line that not every job shares, else its folder."""
-    names = {}
+    """Each job's name: the overrides of its command line that not every job (whose overrides are known)
+    shares, else its folder."""
+    names, known = {}, [job for job in jobs if job.overrides]
     for job in jobs:
-        differing = [override for override in job.overrides if not all(override in o.overrides for o in jobs)]
+        differing = [override for override in job.overrides if not all(override in o.overrides for o in known)]
         names[job.name] = ",".join(differing) or job.name
     return names
 
@@ -495,3 +615,9 @@ def run(cfg: DictConfig) -> None:
         figure = None
     print(f"report: {found} -> {output_dir}/report.md, .csv and .png")
     log_to_wandb(cfg, table["name"] if table else str(cfg.name), rows, figure)
+    unreadable = [job.error for job in jobs if job.status == "unreadable"]
+    if unreadable:
+        raise ValueError(
+            f"{len(unreadable)} of the jobs could not be read ({unreadable[0]}{', ...' if len(unreadable) > 1 else ''}"
+            f"): each is listed with its file and why in {output_dir}/report.md; the report holds the others"
+        )
