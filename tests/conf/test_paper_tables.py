@@ -99,6 +99,24 @@ def test_the_main_tables_rows_are_protocols():
         assert cfg.task == "pipeline" and row["evaluation"] in cfg.pipeline.evaluate, row["label"]
 
 
+def test_each_flowformer_row_of_the_main_table_has_its_flowformer_mcva_row():
+    """FlowFormer+MCVA's row of each setting (C+T, C+T+S+K+H, its KITTI test) pretrains with MCVA, then trains
+    FlowFormer's stages of that row, evaluated on the same sets (with FlowFormer++'s evaluation protocol)."""
+    rows = read_table("paper_comparison")["rows"]
+    for name, row in rows.items():
+        if not name.startswith("flowformer_"):
+            continue
+        flowformer = compose_run_config(row["overrides"]).pipeline
+        mcva = compose_run_config(rows[name.replace("flowformer_", "mcva_")]["overrides"]).pipeline
+        assert list(mcva.stages) == ["mcva_pretrain", *flowformer.stages], name
+        assert evaluated_sets(mcva) == evaluated_sets(flowformer), name
+
+
+def evaluated_sets(pipeline) -> dict[str, list[str]]:
+    """A pipeline's evaluations without their protocol choice (eval=): the sets, tiling, submissions."""
+    return {label: [o for o in overrides if not o.startswith("eval=")] for label, overrides in pipeline.evaluate.items()}
+
+
 def table_protocol(sweep: str) -> str:
     """The protocol that trains a table sweep's rows: its table's (conf/paper/<table>.yaml `protocol`); the MCVA
     grids without a table are MCVA ablations."""
