@@ -57,6 +57,11 @@ KNOB_MINIMUMS = {
 # each CNN stage); the cost maps' patchify + latent summary; the AGT layers (each, or each row block of a bounded
 # plan); each decoder iteration (and each MCVA query round: the decoder's cost query and the reconstruction head).
 ACTIVATION_CHECKPOINT_STAGES = ("image_encoders", "tokenize", "cost_layers", "decoder")
+# backbone.tokenize_chunk: a number of cost maps patchified at a time, null (all at once, the official
+# computation) or "auto": the tasks choose from the device they run on (flowformer/tasks/runtime.py,
+# `device_memory_settings`); a network built without a device in view takes the bounded path, as on a CPU.
+AUTO_TOKENIZE_CHUNK = "auto"
+BOUNDED_TOKENIZE_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ class BackboneConfig:
     twins_weights: "imagenet" (timm's ImageNet weights, from its cache, for the large widths), a local copy of
     them, "standin" (a fixed initialisation standing in for them, encoders.STANDIN), or None (random).
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
-    agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers): its
+    agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers;
+    AUTO_TOKENIZE_CHUNK: chosen by the tasks from the device, BOUNDED_TOKENIZE_CHUNK without one): its
     knobs; intra_layer (INTRA_LAYERS), inter_layer (INTER_LAYERS), token_pe, agt_pe: the AGT layer's halves and
     the positional codes of the tokens and of the AGT layers (the paper's architecture ablations).
     query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
@@ -114,13 +120,13 @@ class BackboneConfig:
     image_encoder: str = "twins"
     twins_weights: str | None = None
     feature_dim: int = TWINS_DIM
+    twins_widths: tuple[int, int] = TWINS_LARGE_WIDTHS
     cnn_widths: tuple[int, int, int] = (64, 96, 128)
     cost_encoder: str = "agt"
     cost_heads: int = 1
     cost_patch_dim: int = 64
     num_latent_tokens: int = 8
     latent_dim: int = 128
-    twins_widths: tuple[int, int] = TWINS_LARGE_WIDTHS
     agt_depth: int = 3
     context_proj_dim: int = 64
     # the AGT layer's halves and positional codes, the paper's architecture ablations (docs/ablations.md)
@@ -133,7 +139,7 @@ class BackboneConfig:
     recon_size: int = 15
     recon_head_depth: int = 3
     decoder_dim: int = 128
-    tokenize_chunk: int | None = 512
+    tokenize_chunk: int | str | None = AUTO_TOKENIZE_CHUNK
     activation_checkpoint: tuple[str, ...] = ()
     memory_budget_gb: float | None = None
     # the decoder and its update block, the paper's architecture ablations (docs/ablations.md)
@@ -144,13 +150,18 @@ class BackboneConfig:
         self._take_agt_knobs()
         self._check_decoder_knobs()
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
+        object.__setattr__(self, "twins_widths", tuple(self.twins_widths))
         if isinstance(self.activation_checkpoint, str):
             raise TypeError(
                 "backbone.activation_checkpoint is a list of stages, e.g. [decoder] or [tokenize,cost_layers], "
                 f"got the string {self.activation_checkpoint!r}"
             )
         object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
-        object.__setattr__(self, "twins_widths", tuple(self.twins_widths))
+        if isinstance(self.tokenize_chunk, str) and self.tokenize_chunk != AUTO_TOKENIZE_CHUNK:
+            raise ValueError(
+                f"backbone.tokenize_chunk must be a positive number of cost maps, null or {AUTO_TOKENIZE_CHUNK}, "
+                f"got {self.tokenize_chunk!r}"
+            )
         unknown = [stage for stage in self.activation_checkpoint if stage not in ACTIVATION_CHECKPOINT_STAGES]
         for knob, least in KNOB_MINIMUMS.items():
             if getattr(self, knob) < least:
@@ -183,17 +194,6 @@ class BackboneConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-
-    def _take_agt_knobs(self) -> None:
-        """A retired cost_encoder value becomes the knobs it means (RETIRED_COST_ENCODERS); the AGT knobs are
-        checked."""
-        retired = RETIRED_COST_ENCODERS.get(self.cost_encoder, {})
-        for knob, value in retired.items():
-            if getattr(self, knob) not in (value, getattr(BackboneConfig, knob)):
-                raise ValueError(
-                    f"backbone.cost_encoder={self.cost_encoder} is the retired name of backbone.{knob}={value}, "
-                    f"which contradicts backbone.{knob}={getattr(self, knob)!r}; drop backbone.cost_encoder"
-                )
         self._check_twins_knobs()
 
     def _check_twins_knobs(self) -> None:
@@ -217,6 +217,17 @@ class BackboneConfig:
                 f"backbone.twins_weights=imagenet are twins_svt_large's weights, {list(TWINS_LARGE_WIDTHS)} wide, "
                 f"but backbone.twins_widths is {widths}: set backbone.twins_weights=null (or standin)"
             )
+
+    def _take_agt_knobs(self) -> None:
+        """A retired cost_encoder value becomes the knobs it means (RETIRED_COST_ENCODERS); the AGT knobs are
+        checked."""
+        retired = RETIRED_COST_ENCODERS.get(self.cost_encoder, {})
+        for knob, value in retired.items():
+            if getattr(self, knob) not in (value, getattr(BackboneConfig, knob)):
+                raise ValueError(
+                    f"backbone.cost_encoder={self.cost_encoder} is the retired name of backbone.{knob}={value}, "
+                    f"which contradicts backbone.{knob}={getattr(self, knob)!r}; drop backbone.cost_encoder"
+                )
             object.__setattr__(self, knob, value)
         if retired:
             object.__setattr__(self, "cost_encoder", BackboneConfig.cost_encoder)
@@ -259,6 +270,7 @@ class BackboneConfig:
         return {
             **asdict(self),
             "cnn_widths": list(self.cnn_widths),
+            "twins_widths": list(self.twins_widths),
             "activation_checkpoint": list(self.activation_checkpoint),
             "twins_weights": None,
         }
@@ -270,7 +282,6 @@ class BackboneConfig:
         return BasicEncoder(feature_dim=self.feature_dim, cnn_widths=self.cnn_widths, checkpoint_blocks=recompute)
 
     def cost_encoder_module(self) -> CostEncoder:
-            "twins_widths": list(self.twins_widths),
         traits = VARIANTS[self.variant]
         return COST_ENCODERS[self.cost_encoder](
             cost_heads=self.cost_heads,
@@ -285,7 +296,9 @@ class BackboneConfig:
             intra_layer=self.intra_layer,
             inter_layer=self.inter_layer,
             agt_pe=self.agt_pe,
-            tokenize_chunk=self.tokenize_chunk,
+            tokenize_chunk=(
+                BOUNDED_TOKENIZE_CHUNK if self.tokenize_chunk == AUTO_TOKENIZE_CHUNK else self.tokenize_chunk
+            ),
             checkpoint_tokenize="tokenize" in self.activation_checkpoint,
             checkpoint_layers="cost_layers" in self.activation_checkpoint,
         )
@@ -357,6 +370,7 @@ PRESETS["tiny"] = replace(
     PRESETS["small"],
     variant="flowformer_pp",
     feature_dim=64,
+    twins_widths=(32, 64),
     cnn_widths=(16, 24, 32),
     cost_patch_dim=16,
     context_proj_dim=16,
@@ -370,7 +384,6 @@ def build_flowformer_pp(**knobs) -> FlowFormer:
     return replace(PRESETS["flowformer_pp"], **knobs).build()
 
 
-    twins_widths=(32, 64),
 def build_flowformer_small(**knobs) -> FlowFormer:
     """The paper's FlowFormer-small, with `knobs` changed."""
     return replace(PRESETS["small"], **knobs).build()

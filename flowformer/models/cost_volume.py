@@ -62,6 +62,13 @@ class CostVolume:
         -> [B, heads·(2r+1)², H1, W1], channel = head·(2r+1)² + (dx+r)·(2r+1) + (dy+r) (official order)."""
         raise NotImplementedError
 
+    def window_offsets(self, radius: int, device: torch.device) -> Tensor:
+        """`window_offsets(radius)`, made once per volume: the decoder reads a window at every iteration."""
+        made = self.__dict__.setdefault("_window_offsets", {})
+        if radius not in made:
+            made[radius] = window_offsets(radius, device)
+        return made[radius]
+
 
 class DenseCostVolume(CostVolume):
     """The volume held whole: cost_maps [B·H1·W1, heads, H2, W2]."""
@@ -76,7 +83,7 @@ class DenseCostVolume(CostVolume):
         return self.cost_maps[rows]
 
     def window(self, coords: Tensor, radius: int) -> Tensor:
-        return sample_cost_window(self.cost_maps, coords, radius)
+        return sample_cost_window(self.cost_maps, coords, radius, self.window_offsets(radius, coords.device))
 
 
 # Source pixels per image up to which `FeatureCostVolume.window` samples each block's cost maps computed again
@@ -154,7 +161,7 @@ class FeatureCostVolume(CostVolume):
         batch, _, h1, w1 = coords.shape
         side = 2 * radius + 1
         centres = coords.permute(0, 2, 3, 1).reshape(batch * h1 * w1, 1, 1, 2)
-        points = centres + window_offsets(radius, coords.device)  # [B*H1*W1, side, side, 2], as the dense
+        points = centres + self.window_offsets(radius, coords.device)  # [B*H1*W1, side, side, 2], as the dense
         from_maps = h1 * w1 <= MAPS_FOR_WINDOWS_MAX_PIXELS
         window_block = self._window_from_maps if from_maps else self._window_from_features
         recompute = self.f1.requires_grad or self.feat2.requires_grad

@@ -35,15 +35,8 @@ def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
     freq = torch.linspace(0, dim // 4 - 1, dim // 4, device=xy.device)
     x, y = xy[..., 0:1], xy[..., 1:2]
     scale = 1 / 200
-    return torch.cat(
-        [
-            torch.sin(3.14 * x * freq * scale),
-            torch.cos(3.14 * x * freq * scale),
-            torch.sin(3.14 * y * freq * scale),
-            torch.cos(3.14 * y * freq * scale),
-        ],
-        dim=-1,
-    )
+    x_angles, y_angles = 3.14 * x * freq * scale, 3.14 * y * freq * scale  # each once, for its sine and cosine
+    return torch.cat([torch.sin(x_angles), torch.cos(x_angles), torch.sin(y_angles), torch.cos(y_angles)], dim=-1)
 
 
 # cuDNN's grid sampler refuses batches this large (CUDNN_STATUS_NOT_SUPPORTED): on an H100, 24 x 46 x 62 =
@@ -76,13 +69,13 @@ def window_offsets(radius: int, device: torch.device) -> Tensor:
     return torch.stack(torch.meshgrid(offsets, offsets, indexing="ij"), dim=-1)
 
 
-def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor:
+def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int, offsets: Tensor | None = None) -> Tensor:
     """Bilinear (2r+1)^2 crop of each source pixel's cost map around its target position.
 
     cost_maps [B*H1*W1, heads, H2, W2], coords [B, 2, H1, W1] (x, y) -> [B, heads*(2r+1)^2, H1, W1].
     Channel order is the official x-major one: channel = head·(2r+1)² + (dx+r)·(2r+1) + (dy+r) (the official
     `encode_flow_token` stacks meshgrid(dy, dx) and reads it as (x, y); the loaded `flow_token_encoder` weights
-    depend on this order).
+    depend on this order). offsets: `window_offsets(radius)`, when the caller keeps them (None: made here).
     """
     batch, _, h1, w1 = coords.shape
     if cost_maps.shape[0] != batch * h1 * w1:
@@ -91,7 +84,9 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int) -> Tensor
             f"for coords of shape {tuple(coords.shape)}"
         )
     centre = coords.permute(0, 2, 3, 1).reshape(batch * h1 * w1, 1, 1, 2)
-    window = bilinear_sample(cost_maps, centre + window_offsets(radius, coords.device))
+    if offsets is None:
+        offsets = window_offsets(radius, coords.device)
+    window = bilinear_sample(cost_maps, centre + offsets)
     # window [B*H1*W1, heads, 2r+1, 2r+1] -> [B, heads*(2r+1)^2, H1, W1]
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 

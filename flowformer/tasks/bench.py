@@ -19,6 +19,14 @@ With `runtime.compile=true` the network's stages are torch.compiled; the first w
 them, and the row's `compile_s` is that step's time minus the row's mean step time (the compile time, with the
 warmup's one-off costs such as allocator growth). `runtime.matmul_precision` applies in every row.
 
+`bench.rows` names rows whose settings differ in more than these (mode, backbone, model, batch, iterations,
+runtime), each a list of overrides after the command line's: `python run.py task=bench bench=gpu` (`make
+bench-gpu`) runs the GPU figures of docs/performance.md that way. The backbone's memory settings left `auto`
+are chosen for bench.device (flowformer/tasks/runtime.py); each row records its `tokenize_chunk`.
+
+Every row also counts, on any device, the operators (aten calls: kernel launches on a GPU) that the eager
+network dispatches in one step of the row and in one decoder iteration (`count_operators`).
+
 Every row (size x memory path x recomputed stages x precision) runs in a fresh process, so its peak memory is its own (a CPU
 process's peak RSS only grows) and a row that runs out of memory is recorded as such instead of ending the
 benchmark. Writes <run dir>/bench.json (the machine and every row), bench.md (the table) and bench.png (time and
@@ -42,8 +50,11 @@ from typing import Any
 
 import hydra
 import torch
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
@@ -53,6 +64,7 @@ from flowformer.tasks.runtime import (
     autocast_context,
     compile_network,
     configure_runtime,
+    device_memory_settings,
     load_network,
     pick_device,
 )
@@ -84,14 +96,15 @@ def build_step(
     if bench.mode == "pretrain":
         if not issubclass(hydra.utils.get_class(cfg.model._target_), MCVAPretrainModule):
             raise ValueError("bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)")
-        module = hydra.utils.instantiate(cfg.model).to(device).train()
+        backbone = device_memory_settings(cfg.model.backbone, device)
+        module = hydra.utils.instantiate(cfg.model, backbone=backbone).to(device).train()
         net = module.backbone
 
         def loss() -> Tensor:
             return module.pretrain_step(image1, image2).loss
 
     else:
-        net = hydra.utils.instantiate(cfg.backbone).to(device).train()
+        net = hydra.utils.instantiate(device_memory_settings(cfg.backbone, device)).to(device).train()
         flow_gt = torch.randn(image1.shape[0], 2, *image1.shape[-2:], device=device) * 10  # [B,2,H,W]
         valid = torch.ones(image1.shape[0], *image1.shape[-2:], device=device)  # [B,H,W]
 
@@ -110,6 +123,46 @@ def build_step(
         optimizer.step()
 
     return net, train_step
+
+
+class OperatorCounter(TorchDispatchMode):
+    """Counts the operators dispatched while it is active: every aten call, forward, backward and optimizer
+    alike, each one kernel launch or more on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operators_dispatched(run: Callable[[], object]) -> int:
+    """How many operators `run()` dispatches."""
+    with OperatorCounter() as counter:
+        run()
+    return counter.count
+
+
+def count_operators(cfg: DictConfig, net: nn.Module, step: Callable[[], None], images: tuple[Tensor, Tensor]) -> dict:
+    """{"operators_per_step": one steady step of the row (after one that creates the optimizer's state),
+    "operators_per_decoder_iteration": those of a forward with 2 decoder iterations minus those with 1, in the
+    row's precision, as the row runs the network (inference for bench.mode=forward, training otherwise)}."""
+    bench = cfg.bench
+    device = images[0].device
+
+    def forward(iters: int) -> None:
+        grad = torch.inference_mode() if bench.mode == "forward" else torch.enable_grad()
+        with grad, autocast_context(device, bench.precision, "bench.precisions"):
+            net(*images, iters=iters)
+
+    step()
+    return {
+        "operators_per_step": operators_dispatched(step),
+        "operators_per_decoder_iteration": operators_dispatched(lambda: forward(2))
+        - operators_dispatched(lambda: forward(1)),
+    }
 
 
 def row_config(
@@ -143,6 +196,7 @@ def measure(cfg: DictConfig) -> dict[str, Any]:
     image1 = torch.rand(shape, device=device) * 255  # [B,3,H,W] in 0..255
     image2 = torch.rand(shape, device=device) * 255
     net, step = build_step(cfg, device, image1, image2)
+    operators = count_operators(cfg, net, step, (image1, image2))  # eager: the counts are of the uncompiled network
     compile_network(net, cfg.runtime)  # in place: the step's calls of the network's stages compile
     built_rss = peak_rss_mib()
 
@@ -165,6 +219,8 @@ def measure(cfg: DictConfig) -> dict[str, Any]:
         "pairs_per_s": bench.batch_size / mean_s,  # image pairs through the step per second: the throughput
         "parameters_m": sum(p.numel() for p in net.parameters()) / 1e6,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "tokenize_chunk": net.config["tokenize_chunk"],
+        **operators,
     }
     if cfg.runtime.compile:
         result["compile_s"] = warmup_seconds[0] - mean_s
@@ -240,18 +296,20 @@ def memory_measure(rows: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """One line per row: seconds per step and pairs per second (batch size / seconds); a `compile s` column
-    when the rows were compiled (runtime.compile); on CPU, beside the process's peak RSS, the part above the built
+    """One line per row (first its name, for the rows of bench.rows): seconds per step and pairs per second
+    (batch size / seconds); a `compile s` column when the rows were compiled (runtime.compile); the operators
+    dispatched per step and per decoder iteration; on CPU, beside the process's peak RSS, the part above the built
     model (`built_rss_mib`: interpreter, torch, weights), the step's own, which is what the memory paths change."""
     memory_key, memory_title = memory_measure(rows)
     compiled = any("compile_s" in row for row in rows)
     above_built = memory_key == "peak_rss_mib"
-    titles = ["size", "megapixels", "path", "precision", "seconds per step", "pairs per second"]
-    titles += ["compile s"] * compiled
+    named = any("name" in row for row in rows)
+    titles = ["row"] * named + ["size", "megapixels", "path", "precision", "seconds per step", "pairs per second"]
+    titles += ["compile s"] * compiled + ["operators per step", "operators per decoder iteration"]
     titles += [memory_title, *(["above the built model"] * above_built), "status"]
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
-        cells = [
+        cells = [row.get("name", "-")] * named + [
             f"{row['height']}x{row['width']}",
             f"{row['megapixels']:.2f}",
             row["path"],
@@ -261,6 +319,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         ]
         if compiled:
             cells.append(f"{row['compile_s']:.1f}" if "compile_s" in row else "-")
+        cells += [str(row.get(key, "-")) for key in ("operators_per_step", "operators_per_decoder_iteration")]
         cells.append(f"{row[memory_key] / 1024:.2f} GiB" if memory_key in row else "-")
         if above_built:
             above = row[memory_key] - row["built_rss_mib"] if memory_key in row else None
@@ -281,7 +340,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(11, 4))
     lines: dict[str, list[dict[str, Any]]] = {}  # "<path>, <precision>" -> its finished rows, in size order
     for row in rows:
-        done = lines.setdefault(f"{row['path']}, {row['precision']}", [])
+        done = lines.setdefault(row.get("name") or f"{row['path']}, {row['precision']}", [])
         if row["status"] == "ok":
             done.append(row)
     for label, done in lines.items():
@@ -300,7 +359,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     pyplot.close(figure)
 
 
-def run(cfg: DictConfig) -> float:
+def check_settings(cfg: DictConfig) -> None:
     bench = cfg.bench
     if bench.mode not in MODES:
         raise ValueError(f"bench.mode={bench.mode!r}: expected one of {MODES}")
@@ -309,14 +368,35 @@ def run(cfg: DictConfig) -> float:
             raise ValueError(f"bench.sizes: each size is [height, width], both multiples of 8; got {list(size)}")
     if cfg.runtime.compile and bench.warmup < 1:
         raise ValueError("runtime.compile=true needs bench.warmup >= 1: the first step compiles (not timed)")
-    output_dir = Path(cfg.paths.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def named_configs(cfg: DictConfig, command_line: list[str]) -> list[tuple[str | None, DictConfig]]:
+    """(name, config) of each row of `bench.rows` (a preset's, e.g. conf/bench/gpu.yaml): the config of the
+    run's command line (its overrides, which name the preset) with the row's overrides after them; without
+    bench.rows, (None, cfg)."""
+    presets = cfg.bench.get("rows") or {}
+    if not presets:
+        return [(None, cfg)]
+    return [(name, compose("config", overrides=[*command_line, *overrides])) for name, overrides in presets.items()]
+
+
+def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
+    """The rows of one config: one per size x memory path x recomputed stages x precision, each measured in its
+    own process, the backbone's memory settings chosen once for bench.device (and logged)."""
+    check_settings(cfg)
+    bench = cfg.bench
+    cfg = OmegaConf.merge(cfg, {"backbone": device_memory_settings(cfg.backbone, pick_device(bench.device))})
     recomputed_sets = [list(stages) for stages in bench.activation_checkpoints] if bench.mode != "forward" else [[]]
     rows = []
     for size, budget_gb, recomputed, precision in itertools.product(
         bench.sizes, bench.memory_budgets_gb, recomputed_sets, bench.precisions
     ):
-        row = {
+        row = {"name": name} if name else {}
+        row |= {
+            "mode": bench.mode,
+            "backbone": cfg.backbone.get("variant"),
+            "batch_size": bench.batch_size,
+            "iters": bench.iters,
             "height": size[0],
             "width": size[1],
             "megapixels": size[0] * size[1] / 1e6,
@@ -324,11 +404,22 @@ def run(cfg: DictConfig) -> float:
             "memory_budget_gb": budget_gb,
             "activation_checkpoint": recomputed,
             "precision": precision,
+            "matmul_precision": cfg.runtime.matmul_precision,
         }
         log.info("bench: %s", row)
         row |= measure_isolated(row_config(cfg, size, budget_gb, precision, recomputed), bench.timeout_s)
         log.info("bench: %s", json.dumps(row))
         rows.append(row)
+    return rows
+
+
+def run(cfg: DictConfig) -> float:
+    output_dir = Path(cfg.paths.output_dir)
+    configs = named_configs(cfg, list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [])
+    for _, row_cfg in configs:
+        check_settings(row_cfg)  # every row's settings before the first row runs
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rows = [row for name, row_cfg in configs for row in measure_rows(row_cfg, name)]
     runtime = cfg.runtime
     setup = {
         key: cfg.bench[key] for key in ("mode", "batch_size", "iters", "warmup", "repeats", "device")
@@ -344,10 +435,14 @@ def run(cfg: DictConfig) -> float:
     atomic_write_text(output_dir / "bench.json", json.dumps(record, indent=2))
     table = markdown_table(rows)
     atomic_write_text(output_dir / "bench.md", table)
+    steps = (
+        f"the rows of bench.rows ({', '.join(name for name, _ in configs)})"
+        if configs[0][0]
+        else f"{setup['mode']}, batch {setup['batch_size']}, {setup['iters']} iterations"
+    )
     title = (
-        f"{setup['backbone']} ({setup['image_encoder']}), {setup['mode']}, batch {setup['batch_size']}, "
-        f"{setup['iters']} iterations, on {about.get('gpu', about['cpu'])}, torch {about['torch']}"
-        + (f", compiled: {setup['compile']}" if setup["compile"] else "")
+        f"{setup['backbone']} ({setup['image_encoder']}), {steps}, on {about.get('gpu', about['cpu'])}, "
+        f"torch {about['torch']}" + (f", compiled: {setup['compile']}" if setup["compile"] else "")
     )
     plot(rows, title, output_dir / "bench.png")
     print(f"{title}\n{table}\nwrote {output_dir / 'bench.json'}, bench.md, bench.png")

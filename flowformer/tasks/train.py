@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
 from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
-from flowformer.tasks.runtime import compile_network
+from flowformer.tasks.runtime import compile_network, device_memory_settings, training_device
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
 
 
 def build_model(cfg: DictConfig) -> L.LightningModule:
-    """The LightningModule of cfg.model, its backbone compiled as `runtime` says. A resumed run
-    (ckpt_path) loads neither model.init_from nor the ImageNet Twins weights: the checkpoint holds the weights."""
+    """The LightningModule of cfg.model, its backbone's memory settings chosen for the training device and
+    compiled as `runtime` says. A resumed run (ckpt_path) loads neither model.init_from nor the ImageNet Twins
+    weights: the checkpoint holds the weights."""
     overrides = {}
     if cfg.get("ckpt_path") and cfg.model.get("init_from"):
         log.info(
@@ -45,8 +46,10 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
             cfg.model.init_from,
         )
         overrides["init_from"] = None
-    if cfg.get("ckpt_path") and cfg.backbone.get("twins_weights"):
-        overrides["backbone"] = OmegaConf.merge(cfg.backbone, {"twins_weights": None})
+    backbone = cfg.model.backbone
+    if cfg.get("ckpt_path") and backbone.get("twins_weights"):
+        backbone = OmegaConf.merge(backbone, {"twins_weights": None})
+    overrides["backbone"] = device_memory_settings(backbone, training_device(cfg.trainer))
     model = hydra.utils.instantiate(cfg.model, **overrides)
     compile_network(model.backbone, cfg.runtime)
     return model

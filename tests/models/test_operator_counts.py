@@ -1,0 +1,48 @@
+"""The operators (aten calls, each one kernel launch or more on a GPU) the tiny backbone dispatches per decoder
+iteration and per training step, counted as task=bench counts them for every row (`bench.count_operators`), on
+the CPU. Pinned exactly, so that launch overhead cannot grow unnoticed.
+
+To update a count after a deliberate change (a new operator in the decoder, or fewer): run this file, read the
+new count in the failure message, write it below with the change's reason in the commit message, and its
+before/after in docs/performance.md ("Operators dispatched"). A new torch version may dispatch other operators
+for the same code: re-pin the counts then, in a commit of its own."""
+
+import pytest
+import torch
+
+from flowformer.tasks import bench
+
+from helpers.compose import compose_tiny_config
+
+# tiny backbone, one 64x96 pair, 2 decoder iterations, fp32, dense, on the CPU, torch 2.x
+FORWARD_OPERATORS_PER_DECODER_ITERATION = 119  # inference (bench.mode=forward); 128 before issue 35
+TRAINING_OPERATORS_PER_DECODER_ITERATION = 176  # the training forward; 188 before issue 35
+TRAINING_OPERATORS_PER_STEP = 4615  # forward, sequence loss, backward, clipping, AdamW; 4657 before issue 35
+
+
+def counts(mode: str) -> dict:
+    cfg = bench.row_config(
+        compose_tiny_config("bench.device=cpu", f"bench.mode={mode}", "bench.iters=2"), [64, 96], None, "32-true"
+    )
+    torch.manual_seed(0)
+    images = (torch.rand(1, 3, 64, 96) * 255, torch.rand(1, 3, 64, 96) * 255)
+    net, step = bench.build_step(cfg, torch.device("cpu"), *images)
+    return bench.count_operators(cfg, net, step, images)
+
+
+@pytest.mark.parametrize(
+    ("mode", "per_iteration"),
+    [("forward", FORWARD_OPERATORS_PER_DECODER_ITERATION), ("train", TRAINING_OPERATORS_PER_DECODER_ITERATION)],
+)
+def test_operators_per_decoder_iteration_are_pinned(mode, per_iteration):
+    assert counts(mode)["operators_per_decoder_iteration"] == per_iteration
+
+
+def test_operators_per_training_step_are_pinned():
+    assert counts("train")["operators_per_step"] == TRAINING_OPERATORS_PER_STEP
+
+
+def test_the_counter_counts_every_operator_once():
+    x = torch.ones(3)
+    assert bench.operators_dispatched(lambda: (x + 1) * 2) == 2
+    assert bench.operators_dispatched(lambda: None) == 0
