@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers.configs import REPO_DIR
@@ -122,3 +123,26 @@ def test_a_pipeline_under_torchrun_is_owned_by_rank_0_and_trained_by_both(tmp_pa
     for stage in ("chairs", "things"):
         assert f"pipeline: rank 1 trains {run_dir / stage}" in output
     assert torch.load(run_dir / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_a_table_through_hydras_submitit_launcher_runs_each_row_as_a_job(tmp_path):
+    """`hydra/launcher=submitit_local` (the optional extra `.[slurm]`): each row a job of its own process, with
+    DDP inside, every job in the sweep directory the command names."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason='pip install -e ".[slurm]"')
+    checkout = checkout_with_protocol(tmp_path, "submitit_table", things=[])
+    result = run_py(
+        "-m", "task=pipeline", "protocol=submitit_table", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4", "hydra/launcher=submitit_local", cwd=checkout, env=ENV, timeout=900,
+        expect_ok=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    [sweep] = (checkout / "logs" / "pipeline" / "submitit_table" / "multiruns").iterdir()
+    assert (sweep / ".submitit").is_dir()  # the jobs' scripts and logs
+    jobs = sorted(path for path in sweep.iterdir() if path.is_dir() and not path.name.startswith("."))
+    assert len(jobs) == 2
+    for job in jobs:
+        done = record(job)
+        assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
+        assert not [path for path in job.iterdir() if path.name.endswith(".interrupted")]
+        assert torch.load(job / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
