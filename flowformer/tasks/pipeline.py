@@ -29,7 +29,12 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
   each job finds its own). Finished stages are skipped, an interrupted stage resumes exactly from its
   last.ckpt (`ckpt_path`; its earlier directory is kept as `<stage>.interrupted[-n]`), unfinished evaluations
   run. A finished stage whose checkpoint is missing or changed, or whose overrides differ from this run's, is
-  refused in one line: no stage starts from a stale or missing checkpoint.
+  refused in one line: no stage starts from a stale or missing checkpoint. A stage whose last.ckpt reached
+  trainer.max_steps although the record does not say it finished (a write after it failed) is recorded as
+  finished. The record's paths name the run directory it was written in; a resume in a copy or a moved one
+  takes every path inside it to the same place there (check_record, moved_record). A damaged record is one
+  line naming it; a damaged evaluation result is evaluated again. SIGTERM or SIGUSR1 during an evaluation
+  stops it at once, recorded "stopped" (exit status 128 + the signal's number).
 
 Launchers (docs/cluster.md). A stage whose trainer starts processes of its own (`trainer=ddp
 trainer.devices=N`: Lightning's launcher starts each new rank by running the command line of the process it
@@ -118,11 +123,12 @@ from lightning.fabric.plugins.environments import (
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from flowformer.lit.checkpointing import last_checkpoint_path
+from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
+from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
-from flowformer.tasks.preemption import STOP_SIGNALS, StoppedBySignal
+from flowformer.tasks.preemption import STOP_SIGNALS, StoppedBySignal, stopping_at_once
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import in_multirun
 from flowformer.tasks.train import fit
@@ -220,10 +226,11 @@ def takes(override: str, probe: DictConfig) -> bool:
 
 
 def path_value(path: str | Path) -> str:
-    """A path as an override's value, quoted: a multirun job's folder holds `=` and `,` (e.g.
-    `0_model.mask_ratio=0.7,backbone.agt_depth=1`), which an unquoted value cannot."""
-    quote = "'" if "'" not in str(path) else '"'
-    return f"{quote}{path}{quote}"
+    """A path or name as an override's value, quoted so that Hydra reads it back unchanged: a multirun job's
+    folder holds `=` and `,` (e.g. `0_model.mask_ratio=0.7,backbone.agt_depth=1`), a name may hold `,` or `'`
+    (Hydra's escapes: `\\'` for a quote, backslashes before a quote or the closing quote doubled)."""
+    text = re.sub(r"(\\*)'", lambda match: match.group(1) * 2 + "\\'", str(path))
+    return "'" + re.sub(r"(\\+)$", lambda match: match.group(1) * 2, text) + "'"
 
 
 def override_value(value: Any) -> str:
@@ -254,9 +261,26 @@ def file_sha256(path: str | Path) -> str:
 
 
 def first_epe(results_json: str | Path) -> float | None:
-    """The first scored set's epe in a task=eval results file (what task=eval returns)."""
-    results = json.loads(Path(results_json).read_text())["results"]
+    """The first scored set's epe in a task=eval results file (what task=eval returns); a ValueError naming the
+    file when it is not one (truncated, damaged)."""
+    try:
+        record = json.loads(Path(results_json).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{results_json} is not a task=eval results file ({error})") from None
+    results = record.get("results") if isinstance(record, dict) else None
+    if not isinstance(results, dict) or not all(isinstance(values, dict) for values in results.values()):
+        raise ValueError(f"{results_json} is not a task=eval results file (no results mapping)")
     return next((values["epe"] for values in results.values() if "epe" in values), None)
+
+
+# The overrides that hand a run the previous stage's checkpoint: a path, which moves with the run directory; a
+# resume compares what the checkpoint holds instead (its SHA-256).
+HANDOFF_KEYS = ("model.init_from", "eval.checkpoint")
+
+
+def without_handoff(overrides: list[str] | None) -> list[str] | None:
+    """A run's overrides as a resume compares them: without those that hand it a checkpoint (HANDOFF_KEYS)."""
+    return None if overrides is None else [o for o in overrides if override_key(o) not in HANDOFF_KEYS]
 
 
 def set_aside(folder: Path) -> Path | None:
@@ -271,6 +295,26 @@ def set_aside(folder: Path) -> Path | None:
     folder.rename(target)
     checkpoint = target / "checkpoints" / "last.ckpt"
     return checkpoint if checkpoint.is_file() else None
+
+
+def latest_checkpoint(entry: dict[str, Any], stage_dir: Path) -> Path | None:
+    """The newest last.ckpt of a stage that did not finish: its folder's, else the newest one it resumed from
+    that is still there (a resume that failed set the folder aside)."""
+    candidates = [stage_dir / "checkpoints" / LAST_CHECKPOINT, *map(Path, reversed(entry["resumed_from"]))]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def trained_to_the_end(checkpoint: Path, stage_cfg: DictConfig) -> bool:
+    """Whether `checkpoint` is a whole training checkpoint at the stage's trainer.max_steps: the stage's
+    training finished there, whatever failed after it."""
+    max_steps = stage_cfg.trainer.get("max_steps")
+    if max_steps is None or max_steps < 1:
+        return False
+    try:
+        step = read_checkpoint(checkpoint).get("global_step")
+    except (ValueError, OSError):  # not whole: resuming from it says why
+        return False
+    return isinstance(step, int) and step >= max_steps
 
 
 class StageResult(L.Callback):
@@ -450,7 +494,7 @@ class Pipeline:
         cfg = self.cfg
         through = [
             f"seed={cfg.seed}",
-            f"name={cfg.name}",
+            f"name={path_value(cfg.name)}",
             f"paths.root_dir={path_value(cfg.paths.root_dir)}",
             f"paths.output_dir={path_value(output_dir)}",
         ]
@@ -458,7 +502,7 @@ class Pipeline:
             choice = HydraConfig.get().runtime.choices.get("logger")
             through.append(f"logger={choice}" if choice else "~logger")
         if "wandb" in (cfg.get("logger") or {}):  # wandb groups the runs by name (the table); job type: the stage
-            through.append(f"logger.wandb.job_type={output_dir.name}")
+            through.append(f"logger.wandb.job_type={path_value(output_dir.name)}")
         return through
 
     def compose(
@@ -514,7 +558,10 @@ class Pipeline:
         if entry["status"] == "done":
             log.info("pipeline: %s finished already (%s)", where, entry["checkpoint"])
             return Path(entry["checkpoint"])
-        resume_from = set_aside(stage_dir)
+        latest = latest_checkpoint(entry, stage_dir)
+        if latest is not None and entry["status"] != "pending" and trained_to_the_end(latest, stage_cfg):
+            return self.finished_unrecorded(entry, where, latest)
+        resume_from = set_aside(stage_dir) or latest
         command = [sys.executable, str(RUN_PY), *overrides, *self.pass_through(stage_dir), *result]
         command.append(f"hydra.run.dir={path_value(stage_dir)}")
         if resume_from is not None:
@@ -544,6 +591,14 @@ class Pipeline:
         self.save()
         return checkpoint
 
+    def finished_unrecorded(self, entry: dict[str, Any], where: str, checkpoint: Path) -> Path:
+        """A stage whose last.ckpt reached trainer.max_steps although its record does not say it finished (a
+        write after it failed, e.g. on a full disk): recorded as finished with that checkpoint."""
+        log.info("pipeline: %s had trained to its last step (%s): recorded as finished", where, checkpoint)
+        entry.update(status="done", checkpoint=str(checkpoint), checkpoint_sha256=file_sha256(checkpoint), error=None)
+        self.save()
+        return checkpoint
+
     def check_earlier(self, entry: dict[str, Any], where: str, overrides: list[str], init_sha: str | None) -> None:
         """A stage of the run being resumed must be this run's: the same overrides, started from the checkpoint
         its previous stage holds now, and, when it finished, its own checkpoint unchanged."""
@@ -551,7 +606,7 @@ class Pipeline:
             f"pipeline.resume={self.run_dir} continues the same pipeline (protocol and row); for anything else "
             "start a fresh run (without pipeline.resume)"
         )
-        if entry.get("overrides") != overrides:
+        if without_handoff(entry.get("overrides")) != without_handoff(overrides):
             raise StaleResumeError(
                 f"pipeline.resume: {where} ran with the overrides {entry.get('overrides')}, this run gives "
                 f"{overrides}; {advice}"
@@ -583,8 +638,7 @@ class Pipeline:
         self.configs[f"eval_{label}"] = eval_cfg
         sha = self.record["stages"][-1]["checkpoint_sha256"]
         where = f"evaluation {label}"
-        finished = entry["status"] == "done" and Path(entry.get("results_json", "")).is_file()
-        if finished and entry["overrides"] == overrides and entry["checkpoint_sha256"] == sha:
+        if self.evaluated_already(entry, overrides, sha, where):
             log.info("pipeline: %s finished already (%s)", where, entry["results_json"])
             return first_epe(entry["results_json"])
         set_aside(eval_dir)
@@ -599,7 +653,14 @@ class Pipeline:
         )
         self.save()
         log.info("pipeline: %s of %s in %s", where, checkpoint, eval_dir)
-        with self.attempt(entry, where):
+
+        def stopped(signum: signal.Signals) -> str:
+            return (
+                f"pipeline {where} stopped by {signum.name}: the finished stages are kept in {self.run_dir} "
+                f"({RECORD}); continue with pipeline.resume={self.run_dir}, which runs {where} again"
+            )
+
+        with self.attempt(entry, where), stopping_at_once(stopped):
             if self.launched:  # alone, outside the process group the launcher's other processes have left
                 command = [sys.executable, str(RUN_PY), *overrides, *self.pass_through(eval_dir)]
                 command += [*config_overrides("backbone", eval_cfg.backbone), f"hydra.run.dir={path_value(eval_dir)}"]
@@ -607,6 +668,20 @@ class Pipeline:
             else:
                 eval_task.run(eval_cfg)
         return first_epe(entry["results_json"])
+
+    def evaluated_already(self, entry: dict[str, Any], overrides: list[str], sha: str | None, where: str) -> bool:
+        """Whether an evaluation finished with these overrides on the checkpoint holding `sha`, its results file
+        whole (a damaged one is one warning line, and the evaluation runs again)."""
+        if entry["status"] != "done" or entry["checkpoint_sha256"] != sha:
+            return False
+        if without_handoff(entry["overrides"]) != without_handoff(overrides) or not Path(entry["results_json"]).is_file():
+            return False
+        try:
+            first_epe(entry["results_json"])
+        except ValueError as error:
+            log.warning("pipeline: %s finished, but %s: evaluating it again", where, error)
+            return False
+        return True
 
     @contextmanager
     def attempt(self, entry: dict[str, Any], where: str) -> Iterator[None]:
@@ -656,11 +731,63 @@ def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"pipeline.resume: {path} is not a pipeline record ({error})") from None
-    if record.get("version") != RECORD_VERSION:
-        raise ValueError(f"pipeline.resume: {path} has record version {record.get('version')}, expected {RECORD_VERSION}")
+        raise ValueError(f"pipeline.resume: {path} is not a pipeline record ({error}); {RECORD_ADVICE}") from None
+    check_record(record, path)
     log.info("pipeline: resuming %s (this run's own log: %s)", folder, cfg.paths.output_dir)
-    return folder, record
+    return folder, moved_record(record, folder)
+
+
+RECORD_ADVICE = "put back a good copy of it, or start a fresh run (without pipeline.resume)"
+# What a resume reads of each stage (name) and evaluation (label) entry, and, once it finished, also.
+ENTRY_FIELDS = ("status", "resumed_from", "wall_s")
+FINISHED_FIELDS = {"name": ("overrides", "init_from_sha256", "checkpoint", "checkpoint_sha256"),
+                   "label": ("overrides", "checkpoint_sha256", "results_json")}
+STATUSES = ("pending", "running", "done", "failed", "stopped")
+
+
+def check_record(record: Any, path: Path) -> None:
+    """A ValueError naming `path` unless `record` is a pipeline record a resume can read: this version, its
+    stages and evaluations each named and holding what a resume reads of it."""
+    problem = None
+    if not isinstance(record, dict):
+        problem = f"it holds a JSON {type(record).__name__}, not a record"
+    elif record.get("version") != RECORD_VERSION:
+        problem = f"it has record version {record.get('version')}, expected {RECORD_VERSION}"
+    for part, key in (("stages", "name"), ("evaluations", "label")):
+        entries = record.get(part) if problem is None else []
+        if not isinstance(entries, list):
+            problem = f"its {part} are not a list"
+        for index, entry in enumerate(entries or []):
+            if problem is not None:
+                break
+            if not isinstance(entry, dict):
+                problem = f"{part}[{index}] is not a mapping"
+                break
+            fields = (key, *ENTRY_FIELDS, *(FINISHED_FIELDS[key] if entry.get("status") == "done" else ()))
+            missing = [field for field in fields if field not in entry]
+            if missing or entry["status"] not in STATUSES or not isinstance(entry["resumed_from"], list):
+                problem = f"{part}[{index}] lacks {', '.join(missing)}" if missing else f"{part}[{index}] is damaged"
+    if problem is not None:
+        raise ValueError(f"pipeline.resume: {path} is damaged ({problem}); {RECORD_ADVICE}")
+
+
+# The fields of a stage or evaluation entry that hold a path.
+PATH_FIELDS = ("dir", "init_from", "checkpoint", "results_json")
+
+
+def moved_record(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The record of a pipeline found in `run_dir`, which may have been copied or moved there since it was
+    written: each path it holds inside the run directory it names is taken to the same place in `run_dir`
+    (in a copy, the copy's files are used, not the original's)."""
+    written = Path(record.get("run_dir") or run_dir)
+
+    def here(path: str | None) -> str | None:
+        return str(run_dir / Path(path).relative_to(written)) if path and Path(path).is_relative_to(written) else path
+
+    for entry in [*record["stages"], *record["evaluations"]]:
+        entry.update({field: here(entry[field]) for field in PATH_FIELDS if field in entry})
+        entry["resumed_from"] = [here(path) for path in entry["resumed_from"]]
+    return {**record, "run_dir": str(run_dir)}
 
 
 def run(cfg: DictConfig) -> float | None:

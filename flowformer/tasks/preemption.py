@@ -16,6 +16,8 @@ signal's number (143 for SIGTERM, 138 for SIGUSR1), so a scheduler sees a failur
   continues exactly as `ckpt_path=<that file>` would (Lightning's `hpc_ckpt_<n>.ckpt`, written in the middle
   of a step, is not used).
 - task=infer stops at the end of the image pair in progress (:class:`StopSignals`).
+- A pipeline's evaluation stops at once (:func:`stopping_at_once`): it has nothing to save midway, and a
+  resumed pipeline runs it again.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import hashlib
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -71,6 +74,29 @@ class StopSignals:
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)
+
+
+@contextmanager
+def stopping_at_once(stopped: Callable[[signal.Signals], str]) -> Iterator[None]:
+    """``with stopping_at_once(line):`` the first SIGTERM or SIGUSR1 raises StoppedBySignal (its line:
+    ``line(signal)``) wherever the main thread is, for work with nothing to save midway (files are written
+    atomically, so none is left half-written); later ones are ignored. Processes forked meanwhile (DataLoader
+    workers) ignore both; the handlers before are put back."""
+    received: list[signal.Signals] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if not received:
+            received.append(signal.Signals(signum))
+            raise StoppedBySignal(received[0], stopped(received[0]))
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    _forked_children.ignore_stop_signals = True
+    try:
+        yield
+    finally:
+        _forked_children.ignore_stop_signals = False
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class Preemption(L.Callback):

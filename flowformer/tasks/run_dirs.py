@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import csv
 import hashlib
 import logging
 import os
@@ -92,20 +93,31 @@ _claim_files: list[Path] = []
 
 
 def remove_if_unused(run_dir: Path, log_dir: Path | None = None) -> bool:
-    """Delete a run directory that holds only bookkeeping (a run that failed before it started), and the
-    folders above it inside `log_dir` (paths.log_dir) it leaves empty; True if deleted. Anything else in it (a
-    checkpoint, metrics, flow files) keeps the whole directory."""
+    """Delete a run directory that holds only bookkeeping (a run that failed before it started, or in its
+    first step: a metrics.csv of learning rates only), and the folders above it inside `log_dir`
+    (paths.log_dir) it leaves empty; True if deleted. Anything else in it (a checkpoint, metrics, flow files)
+    keeps the whole directory."""
     if not run_dir.is_dir():
         return False
     for path in run_dir.rglob("*"):
         relative = path.relative_to(run_dir)
         bookkeeping = relative.parts[0] in BOOKKEEPING or path.name in BOOKKEEPING or path.suffix == ".log"
-        if path.is_file() and not bookkeeping:
+        if path.is_file() and not bookkeeping and not learning_rates_only(path):
             return False
     shutil.rmtree(run_dir, ignore_errors=True)
     if log_dir is not None:
         remove_empty_parents(run_dir, log_dir)
     return True
+
+
+def learning_rates_only(path: Path) -> bool:
+    """Whether `path` is a metrics.csv whose only values are learning rates (`lr-*` columns), which Lightning's
+    LearningRateMonitor logs as a step starts, before anything is computed."""
+    if path.name != "metrics.csv":
+        return False
+    with path.open(newline="") as file:
+        header = next(csv.reader(file), [])
+    return all(column.startswith("lr-") or column in ("step", "epoch") for column in header)
 
 
 def remove_empty_parents(path: Path, root: Path) -> None:

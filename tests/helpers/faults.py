@@ -117,3 +117,13 @@ class FillDiskAtStep(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.step:
             fill_disk(self.folder)
+
+
+class FillDiskAtFitEnd(L.Callback):
+    """`fill_disk(folder)` when training has ended, its last.ckpt written: the writes after it fail."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_end(self, trainer: L.Trainer, *args) -> None:
+        fill_disk(self.folder)

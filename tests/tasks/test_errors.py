@@ -95,6 +95,18 @@ def test_missing_root_is_printed_once_and_leaves_no_run_directory(tmp_path):
     assert not list((tmp_path / "logs").rglob("run.log"))
 
 
+def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
+    """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
+    learning rate of step 0 is in metrics.csv, which is no result."""
+    logs = tmp_path / "logs"
+    result = run_py("debug=tiny", "data.train.size=[60,90]", "trainer.max_steps=1", f"paths.log_dir={logs}",
+                    expect_ok=False)
+    assert result.returncode == 1
+    assert len(error_lines(result.stderr)) == 1 and "60x90 is not a multiple of 8" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(logs.rglob("*")) == []
+
+
 def test_flowformer_traceback_shows_errors_raised_while_hydra_instantiates(tmp_path):
     result = run_py(
         "data=kitti",

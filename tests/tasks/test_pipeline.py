@@ -248,7 +248,7 @@ def test_with_wandb_each_stage_run_has_the_stage_as_its_job_type(tmp_path):
         cfg = compose("config", overrides=[*overrides, "logger=wandb"])
         stages = pipeline.read_stages(cfg.pipeline)
         through = pipeline.Pipeline(cfg, tmp_path, stages).pass_through(tmp_path / stages[0].name)
-        assert f"logger.wandb.job_type={stages[0].name}" in through
+        assert f"logger.wandb.job_type='{stages[0].name}'" in through
         stage_cfg = compose("config", overrides=["logger=wandb", *through])
         assert stage_cfg.logger.wandb.job_type == stages[0].name
         assert stage_cfg.logger.wandb.group == cfg.name
