@@ -6,7 +6,8 @@
 
 `report.runs` is a multirun's directory (each folder with a `.hydra/` under it, however deep, is a job;
 `failed_jobs.jsonl` names the failed ones, also those that left no folder; `multirun.yaml` how many jobs the
-sweep launched) or one run's directory. Of each job it reads:
+sweep launched) or one run's directory, or a list of them (`[<FlowFormer run>,<FlowFormer+MCVA run>]`). Of
+each job it reads:
 
 - the overrides it was started with (`.hydra/overrides.yaml`), the sweep it belongs to (`.hydra/hydra.yaml`);
 - a pipeline (task=pipeline) from `pipeline.json`: its status, its row's overrides, its stages' wall time and
@@ -14,7 +15,7 @@ sweep launched) or one run's directory. Of each job it reads:
   `<label>:<set>/<metric>`); any other run from its own `eval_results.json`, or else the last validation
   values of its `csv/metrics.csv` (`val/<set>/<metric>` -> `<set>/<metric>`);
 - the network's parameter count from `run_info.json` (the last stage's in a pipeline);
-- every `val/<set>/epe` of the `csv/metrics.csv` files against the training step, for `report.png`.
+- `train/loss` and every `val/<set>/epe` of the `csv/metrics.csv` files against the step, for `report.png`.
 
 A job is `done`, `failed` (in failed_jobs.jsonl, or its pipeline failed; its error line is kept), `stopped`
 (a pipeline stopped by a signal), `running` (no results yet: running, or killed without a record) or
@@ -23,16 +24,18 @@ report is written for the other jobs, then the task exits with status 1).
 
 The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
 `conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
-when every override of the row is one of the job's (its command line and, in a pipeline, its row), with the
-same value (`0.5` = `0.50`). The paper's columns come
-first: each the measured value (of a pipeline's evaluation the row or table names as `evaluation`, e.g.
+when every override that defines the row (not one of SETUP_KEYS, which only set a run up on its machine) is
+one of the job's (its command line and, in a pipeline, its row), with the same value (`0.5` = `0.50`); the
+job's overrides beyond its row are listed beside it, and the rows no job ran are listed as `missing`. The
+paper's columns come first: each the measured value (of a pipeline's evaluation the row or table names as `evaluation`, e.g.
 `tiled` for numbers the paper tiled, else its first), the row's published number and their difference
 (measured - published); then every other measured value; the parameter count beside the paper's.
 
-Writes, into `report.output_dir` (default: `report.runs`), `report.md` (the table's title and caption, then
-one row per job named by the overrides that tell the jobs apart), `report.csv` (the same, one column per
-value) and `report.png` (validation EPE against step, one panel per stage and set, one curve per job: the
-paper's "AEPE vs training steps" figure for a run of FlowFormer and FlowFormer+MCVA). These three are the
+Writes, into `report.output_dir` (default: the first of `report.runs`), `report.md` (the table's title and
+caption, then one row per job labelled with its row's label in the paper, else by the overrides that tell the
+jobs apart, under the paper's column headers), `report.csv` (the same, one column per value) and `report.png`
+(the paper's "AEPE vs. training-step curves": training loss and validation AEPE against the step, one panel
+per stage and set, one line per job, the jobs that did not finish named in the legend). These three are the
 report's own and are rewritten at every report. With `logger=wandb` the table is also logged as a wandb Table,
 and the figure as an image, in a run of job type `report` grouped with the jobs (the table, else `name`).
 """
@@ -55,11 +58,12 @@ import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import track
 
 from flowformer.models.output_files import atomic_write, atomic_write_text
+from flowformer.tasks.pipeline import JOB_KEYS, override_key
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import FAILED_JOBS
 
@@ -80,7 +84,23 @@ PAPER_COLUMNS = {
 }
 PARAMS_KEY = "params_m"  # a published row's parameter count, in millions
 # the fields of a report row that are no measured value
-ROW_FIELDS = ("job", "status", "paper_row", "params_m", "params_m paper", "train_s", "error")
+ROW_FIELDS = ("row", "job", "status", "other_overrides", "params_m", "params_m paper", "train_s", "error")
+# The settings that say how a run was made on its machine (where the Twins weights come from, devices, batch,
+# precision, memory, paths, logging), never which row of a paper's table it is: a job is matched to its row
+# without them, and they are listed beside its numbers when they differ from the row's.
+SETUP_KEYS = (
+    "backbone.twins_weights",
+    "backbone.memory_budget_gb",
+    "backbone.activation_checkpoint",
+    "backbone.tokenize_chunk",
+    "trainer",
+    "data.batch_size",
+    "data.val_batch_size",
+    "data.num_workers",
+    "runtime",
+    "paths",
+    "logger",
+)
 
 
 @dataclass
@@ -199,13 +219,17 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return rows
 
 
-def validation_curves(rows: list[dict[str, float]], panel_prefix: str) -> dict[str, list[tuple[int, float]]]:
-    """Every `val/<set>/epe` column against the step: {"<prefix>val/<set>/epe": [(step, value), ...]}."""
+def training_curves(rows: list[dict[str, float]], panel_prefix: str) -> dict[str, list[tuple[int, float]]]:
+    """The training loss and every validation EPE against the step, the paper's training-curve panels:
+    {"<prefix>training loss": [(step, value), ...], "<prefix>validation AEPE, <set>": [...]}."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         for column, value in row.items():
-            if column.startswith("val/") and column.endswith("/epe"):
-                curves.setdefault(panel_prefix + column, []).append((int(row["step"]), value))
+            if column == "train/loss":
+                curves.setdefault(f"{panel_prefix}training loss", []).append((int(row["step"]), value))
+            elif column.startswith("val/") and column.endswith("/epe"):
+                panel = f"{panel_prefix}validation AEPE, {column.split('/')[1]}"
+                curves.setdefault(panel, []).append((int(row["step"]), value))
     return curves
 
 
@@ -258,7 +282,7 @@ def read_stage_runs(job: Job, record: dict[str, Any]) -> None:
         job.parameters = parameter_count(stage_dir) or job.parameters
         metrics = stage_dir / "csv" / "metrics.csv"
         with reading(metrics):
-            job.curves.update(validation_curves(read_metrics(metrics), panel_prefix))
+            job.curves.update(training_curves(read_metrics(metrics), panel_prefix))
 
 
 def read_pipeline(job: Job, record: dict[str, Any]) -> None:
@@ -294,7 +318,7 @@ def read_run(job: Job, run_dir: Path) -> None:
     metrics, results = run_dir / "csv" / "metrics.csv", run_dir / "eval_results.json"
     with reading(metrics):
         rows = read_metrics(metrics)
-        job.curves = validation_curves(rows, "")
+        job.curves = training_curves(rows, "")
     if results.is_file():
         job.results, job.status = evaluation_results(results), "done"
     else:
@@ -406,14 +430,34 @@ def override_values(overrides: Iterable[str]) -> dict[str, Any]:
     return {override.key_or_group: override.value() for override in parsed}
 
 
+def is_setup(key: str) -> bool:
+    """Whether an override's key is one of SETUP_KEYS (or inside one)."""
+    return any(key == setup or key.startswith(f"{setup}.") for setup in SETUP_KEYS)
+
+
 def match_row(table: dict[str, Any], job: Job) -> dict[str, Any] | None:
-    """The row of `table` whose every override is one of the job's (its command line, a pipeline's row)."""
+    """The row of `table` whose every override that defines it (not a SETUP_KEYS one) is one of the job's
+    (its command line, a pipeline's row)."""
     values = override_values([*job.overrides, *job.row])
     for row in table["rows"].values():
         wanted = override_values(list(row["overrides"]))
-        if all(key in values and values[key] == value for key, value in wanted.items()):
+        if all(key in values and values[key] == value for key, value in wanted.items() if not is_setup(key)):
             return row
     return None
+
+
+def other_overrides(job: Job, paper_row: dict[str, Any]) -> list[str]:
+    """The job's overrides (the last of each key) that its paper row does not have, leaving out those that set
+    up a pipeline job itself (task, protocol, sweep, pipeline.*, ...): what it ran with beyond the row."""
+    latest = {override_key(override): override for override in [*job.overrides, *job.row]}
+    values = override_values(latest.values())
+    defining = override_values(paper_row.get("overrides") or [])
+    return [
+        override
+        for key, override in latest.items()
+        if key.split(".")[0].split("/")[0] not in JOB_KEYS
+        and (key not in defining or defining[key] != values[key])
+    ]
 
 
 def job_names(jobs: list[Job]) -> dict[str, str]:
@@ -421,7 +465,9 @@ def job_names(jobs: list[Job]) -> dict[str, str]:
     shares, else its folder."""
     names, known = {}, [job for job in jobs if job.overrides]
     for job in jobs:
-        differing = [override for override in job.overrides if not all(override in o.overrides for o in known)]
+        differing = [
+            override for override in job.overrides if not all(override in o.overrides for o in known)
+        ]
         names[job.name] = ",".join(differing) or job.name
     return names
 
@@ -453,25 +499,36 @@ def difference(value: float | None, published: float | None) -> float | None:
 
 
 def report_rows(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable[str]) -> list[dict]:
-    """One dict per job: name, status, paper row, each paper column's value / published / difference, every
-    other measured value, parameter counts (millions), training seconds, error."""
+    """One dict per job: its paper row's label (else its name), name, status, each paper column's value /
+    published / difference, every other measured value, the overrides beyond its row, parameter counts
+    (millions), training seconds, error; then one per row of the table no job ran, `missing`."""
     names, compared, measured = job_names(jobs), paper_columns(table), measured_columns(jobs, metrics)
-    rows = []
+    rows, matched = [], []
     for job in jobs:
         paper = (match_row(table, job) if table else None) or {}
+        matched.append(paper.get("label"))
         published = paper.get("published") or {}
-        row: dict[str, Any] = {"job": names[job.name], "status": job.status, "paper_row": paper.get("label")}
+        row: dict[str, Any] = {"row": paper.get("label") or names[job.name], "job": names[job.name]}
+        row["status"] = job.status
         for column in compared:
             value = compared_value(job, paper.get("evaluation") or (table or {}).get("evaluation"), column)
             row[column] = value
             row[f"{column} paper"] = published.get(column)
             row[f"{column} diff"] = difference(value, published.get(column))
         row.update({column: job.results.get(column) for column in measured if column not in compared})
+        row["other_overrides"] = " ".join(other_overrides(job, paper))
         row["params_m"] = None if job.parameters is None else job.parameters / 1e6
         row["params_m paper"] = published.get(PARAMS_KEY)
         row["train_s"] = job.train_s
         row["error"] = job.error
         rows.append(row)
+    for paper in (table or {}).get("rows", {}).values():
+        if paper["label"] not in matched:
+            published = paper.get("published") or {}
+            row = dict.fromkeys(rows[0] if rows else ROW_FIELDS)
+            row.update(row=paper["label"], job="", status="missing", other_overrides="")
+            row.update({f"{column} paper": published.get(column) for column in compared})
+            rows.append({**row, "params_m paper": published.get(PARAMS_KEY)})
     return rows
 
 
@@ -489,10 +546,23 @@ def cell(value: float | None, published: float | None, diff: float | None) -> st
     return text
 
 
-def found_line(rows: list[dict[str, Any]], launched: int | None) -> str:
-    """'2 of the 3 jobs the sweep launched: 1 done, 1 failed' (without the launched count outside a sweep)."""
-    of = "" if launched is None else f" of the {launched} the sweep launched"
-    return f"{len(rows)} jobs{of}: {status_counts(rows)}"
+def launched_count(runs: list[Path], jobs: list[Job]) -> int | None:
+    """How many jobs were launched into `runs`: what each sweep's multirun.yaml records, one per run
+    directory of another kind; None when no sweep is among them."""
+    counts = [launched_jobs(path) for path in runs]
+    if all(count is None for count in counts):
+        return None
+    found = [
+        sum(job.directory is not None and job.directory.is_relative_to(path) for job in jobs) for path in runs
+    ]
+    return sum(found[index] if count is None else count for index, count in enumerate(counts))
+
+
+def found_line(found: int, rows: list[dict[str, Any]], launched: int | None) -> str:
+    """'2 jobs of the 3 launched: 1 done, 1 failed, 1 missing' (the statuses of the report's rows, the
+    table's rows no job ran among them; without the launched count where no sweep is reported)."""
+    of = "" if launched is None else f" of the {launched} launched"
+    return f"{found} jobs{of}: {status_counts(rows)}"
 
 
 def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]], found: str) -> str:
@@ -506,17 +576,17 @@ def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]
         lines += [f"The paper's training: {training}. Compared: a pipeline's {evaluation} evaluation.", ""]
     lines += ["Each value: measured / the paper's (measured - paper's).", ""]
     columns = [key for key in rows[0] if key not in ROW_FIELDS and not key.endswith((" paper", " diff"))]
-    headers = ["job", "status", "paper row", *(PAPER_COLUMNS.get(c, c) for c in columns)]
-    headers += ["params (M)", "train h:mm:ss"]
+    headers = ["row", "job", "status", *(PAPER_COLUMNS.get(c, c) for c in columns)]
+    headers += ["Params (M)", "other overrides", "train h:mm:ss"]
     lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
-        cells = [row["job"], row["status"], row["paper_row"] or ""]
+        cells = [row["row"], row["job"], row["status"]]
         cells += [cell(row[c], row.get(f"{c} paper"), row.get(f"{c} diff")) for c in columns]
         params, paper_params = row["params_m"], row["params_m paper"]
         params = cell(params, paper_params, difference(params, paper_params))
         train = "" if row["train_s"] is None else str(timedelta(seconds=round(row["train_s"])))
-        lines.append("| " + " | ".join([*cells, params, train]) + " |")
-    errors = [f"- {row['job']}: {row['error'].splitlines()[0]}" for row in rows if row["error"]]
+        lines.append("| " + " | ".join([*cells, params, row["other_overrides"], train]) + " |")
+    errors = [f"- {row['row']}: {row['error'].splitlines()[0]}" for row in rows if row["error"]]
     if errors:
         lines += ["", "Errors:", "", *errors]
     return "\n".join(lines) + "\n"
@@ -531,30 +601,49 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
     return text.getvalue()
 
 
-def write_curves(path: Path, jobs: list[Job], names: dict[str, str]) -> bool:
-    """report.png: one panel per logged validation EPE (per stage of a pipeline), one curve per job; False
-    when no job logged one."""
+def draw_curves(jobs: list[Job], labels: list[str]) -> Any:
+    """The paper's training-curve figure (report.png): one panel per stage (of a pipeline) for the training
+    loss and for each validation AEPE against the step, one line per job labelled `labels` (its paper row), a
+    job that did not finish named in every legend with its status; None when no job logged a curve."""
     panels = sorted({panel for job in jobs for panel in job.curves})
     if not panels:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for axis, panel in zip(axes[0], panels, strict=True):
-        for job in jobs:
+        for job, label in zip(jobs, labels, strict=True):
             points = sorted(job.curves.get(panel, []))
-            if points:
-                axis.plot(*zip(*points, strict=True), marker=".", label=names[job.name])
-        axis.set(title=panel, xlabel="training step", ylabel="validation EPE")
+            steps, values = [step for step, _ in points], [value for _, value in points]
+            if job.status not in ("done", "running"):
+                axis.plot(steps, values, "x--", label=f"{label} ({job.status})")
+            elif steps:
+                axis.plot(steps, values, marker=".", label=label)
+        axis.set(title=panel, xlabel="training step", ylabel=panel.rpartition(": ")[2].partition(",")[0])
+        axis.ticklabel_format(axis="y", useOffset=False)  # values near 6.15 read as such, not 1e-6 + 6.1517
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.legend(fontsize="small")
     figure.tight_layout()
+    return figure
+
+
+def curve_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """Each job row's line label in the figure: its row, with the job's name when jobs share the row."""
+    shared = [row["row"] for row in rows]
+    return [row["row"] if shared.count(row["row"]) == 1 else f"{row['row']} [{row['job']}]" for row in rows]
+
+
+def write_figure(path: Path, figure: Any) -> None:
+    """`figure` as a PNG at `path`, then closed."""
+    from matplotlib import pyplot as plt
+
     with atomic_write(path) as file:
         figure.savefig(file, format="png", dpi=100)
     plt.close(figure)
-    return True
 
 
 def log_to_wandb(cfg: DictConfig, group: str, rows: list[dict[str, Any]], figure: Path | None) -> Any:
@@ -591,28 +680,31 @@ def run(cfg: DictConfig) -> None:
             "report.runs is not set: give a multirun's directory (logs/<task>/<name>/multiruns/<time>) or a "
             "run's"
         )
-    runs = Path(settings.runs)
-    if not runs.is_dir():
-        raise FileNotFoundError(f"report.runs={runs} is not a directory: give a multirun's or a run's")
-    output_dir = ensure_writable_dir(settings.output_dir or runs, "report.output_dir")
-    jobs = read_jobs(runs)
+    runs = [Path(path) for path in (settings.runs if OmegaConf.is_list(settings.runs) else [settings.runs])]
+    for path in runs:
+        if not path.is_dir():
+            raise FileNotFoundError(f"report.runs: {path} is not a directory: give a multirun's or a run's")
+    output_dir = ensure_writable_dir(settings.output_dir or runs[0], "report.output_dir")
+    jobs = [job for path in runs for job in read_jobs(path)]
     if not jobs:
         raise ValueError(
-            f"report.runs={runs} holds no job: expected a multirun's <n>_<overrides>/ folders or a run's "
-            "directory, "
-            "each with its .hydra/ folder"
+            f"report.runs={settings.runs} holds no job: expected a multirun's <n>_<overrides>/ folders or a run's "
+            "directory, each with its .hydra/ folder"
         )
     name = settings.get("table") or next((job.sweep for job in jobs if job.sweep), None)
     explicit = bool(settings.get("table"))
     table = load_table(Path(settings.tables_dir or PAPER_TABLES_DIR), name, explicit) if name else None
     rows = report_rows(jobs, table, settings.metrics)
-    found = found_line(rows, launched_jobs(runs))
-    atomic_write_text(output_dir / "report.md", markdown(f"Report of {runs}", table, rows, found))
+    found = found_line(len(jobs), rows, launched_count(runs, jobs))
+    title = f"Report of {', '.join(map(str, runs))}"
+    atomic_write_text(output_dir / "report.md", markdown(title, table, rows, found))
     atomic_write_text(output_dir / "report.csv", csv_text(rows))
-    figure = output_dir / "report.png"
-    if not write_curves(figure, jobs, job_names(jobs)):
-        log.warning("no job logged a validation EPE: no report.png")
+    figure, curves = output_dir / "report.png", draw_curves(jobs, curve_labels(rows[: len(jobs)]))
+    if curves is None:
+        log.warning("no job logged a training curve: no report.png")
         figure = None
+    else:
+        write_figure(figure, curves)
     print(f"report: {found} -> {output_dir}/report.md, .csv and .png")
     log_to_wandb(cfg, table["name"] if table else str(cfg.name), rows, figure)
     unreadable = [job.error for job in jobs if job.status == "unreadable"]

@@ -72,7 +72,7 @@ def test_a_sweep_over_a_checkpoint_path_keeps_one_folder_per_job_and_reports_bot
     )
 
     result = run_py("task=report", f"report.runs={sweep}", cwd=checkout)
-    assert "report: 2 jobs of the 2 the sweep launched: 2 done" in result.stdout
+    assert "report: 2 jobs of the 2 launched: 2 done" in result.stdout
     rows = report_rows(sweep)
     assert [row["job"] for row in rows] == ["eval.max_samples=1", "eval.max_samples=2"]
     for row, job in zip(rows, jobs, strict=True):
@@ -90,7 +90,7 @@ def test_the_report_finds_the_jobs_of_a_sweep_laid_out_in_nested_folders(checkou
     )
     assert not any((folder / "eval_results.json").is_file() for folder in sweep.iterdir())  # nested deeper
     result = run_py("task=report", f"report.runs={sweep}", cwd=checkout)
-    assert "report: 2 jobs of the 2 the sweep launched: 2 done" in result.stdout
+    assert "report: 2 jobs of the 2 launched: 2 done" in result.stdout
     assert [row["job"] for row in report_rows(sweep)] == ["eval.max_samples=1", "eval.max_samples=2"]
 
 
@@ -108,7 +108,7 @@ def test_a_sweep_with_fourteen_overrides_runs_in_shortened_folders(checkout):
         overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
         assert overrides == [*FOURTEEN_OVERRIDES[:-1], f"seed={number + 1}"]  # the record keeps them all
     result = run_py("task=report", f"report.runs={sweep}", cwd=checkout)
-    assert "report: 2 jobs of the 2 the sweep launched: 2 done" in result.stdout
+    assert "report: 2 jobs of the 2 launched: 2 done" in result.stdout
     assert [row["job"] for row in report_rows(sweep)] == ["seed=1", "seed=2"]
 
 

@@ -49,7 +49,7 @@ def test_each_job_is_a_row_beside_its_papers_numbers(table_run):
     for job, name in enumerate(["tile", "no_tile"]):
         row = rows[f"pipeline.paper_row={name}"]
         folder = sweep / f"{job}_pipeline.paper_row={name}"
-        assert row["status"] == "done" and row["paper_row"] == published[name]["label"]
+        assert row["status"] == "done" and row["row"] == published[name]["label"]
         for column, number in published[name]["published"].items():
             assert float(row[f"{column} paper"]) == number
             assert row[column] == row[f"{column} diff"] == ""  # not measured: no Sintel in the smoke protocol
@@ -68,10 +68,10 @@ def test_a_failed_job_is_listed_as_failed(table_run):
     sweep, rows = table_run
     failed = rows["pipeline.paper_row=no_such_row"]
     assert failed["status"] == "failed" and "no_such_row" in failed["error"]
-    assert failed["paper_row"] == failed["plain:synthetic/epe"] == ""
+    assert failed["row"] == "pipeline.paper_row=no_such_row" and failed["plain:synthetic/epe"] == ""
     text = (sweep / "report.md").read_text()
     assert "FlowFormer with v.s. without tile" in text and "2 done, 1 failed" in text
-    assert "| pipeline.paper_row=no_such_row | failed |" in text
+    assert "| pipeline.paper_row=no_such_row | pipeline.paper_row=no_such_row | failed |" in text
     assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,10 +87,12 @@ def test_a_job_still_running_is_listed_as_running(table_run, tmp_path):
         evaluation.update(status="pending", results_json=None)
     (running / "pipeline.json").write_text(json.dumps(record))
     report.run(report_config(tmp_path))
-    [row] = csv.DictReader((tmp_path / "report.csv").open(newline=""))
-    assert row["status"] == "running" and row["paper_row"] == "FlowFormer, w/ tile"
+    row, missing = csv.DictReader((tmp_path / "report.csv").open(newline=""))
+    assert row["status"] == "running" and row["row"] == "FlowFormer, w/ tile"
     assert row["sintel_clean/epe"] == "" and row["sintel_clean/epe paper"] == "0.94"  # nothing measured yet
-    assert "1 jobs: 1 running" in (tmp_path / "report.md").read_text()
+    assert (missing["row"], missing["status"]) == ("FlowFormer, w/o tile", "missing")  # the row no job ran
+    assert missing["sintel_clean/epe paper"] == "1.01"
+    assert "1 jobs: 1 running, 1 missing" in (tmp_path / "report.md").read_text()
 
 
 def test_a_job_is_the_row_whose_overrides_it_has():
@@ -117,7 +119,7 @@ def test_the_papers_columns_are_its_evaluation_measured_minus_published():
     job = report.Job("0", None, ["backbone.recon_head_depth=5"], ["backbone.recon_head_depth=5"])
     job.evaluations = ["plain", "tiled"]
     job.results = {"plain:sintel_clean/epe": 1.5, "tiled:sintel_clean/epe": 1.0, "tiled:chairs/epe": 2.0}
-    [row] = report.report_rows([job], table, ["epe"])
+    row = report.report_rows([job], table, ["epe"])[0]
     assert row["sintel_clean/epe"] == 1.0 and row["sintel_clean/epe paper"] == 0.94
     assert row["sintel_clean/epe diff"] == pytest.approx(0.06)
     assert row["kitti/f1_all"] is None and row["kitti/f1_all paper"] == 14.64
@@ -137,10 +139,10 @@ def test_a_protocol_run_is_its_row_of_the_main_table():
     table = report.load_table(CONF_DIR / "paper", "paper_comparison", explicit=True)
     job = report.Job("0", None, ["task=pipeline", "protocol=mcva_ablation"], [], evaluations=["plain", "tiled"])
     job.results = {"plain:sintel_clean/epe": 1.5, "tiled:sintel_clean/epe": 1.0}
-    [row] = report.report_rows([job], table, ["epe"])
-    assert row["paper_row"] == "C+T, FlowFormer+MCVA" and row["sintel_clean/epe diff"] == pytest.approx(0.1)
+    row = report.report_rows([job], table, ["epe"])[0]
+    assert row["row"] == "C+T, FlowFormer+MCVA" and row["sintel_clean/epe diff"] == pytest.approx(0.1)
     job.overrides = ["task=pipeline", "protocol=main_ctskh"]
-    [row] = report.report_rows([job], table, ["epe"])
+    row = report.report_rows([job], table, ["epe"])[0]
     assert row["sintel_clean/epe"] == 1.5 and row["sintel_clean/epe paper"] == 0.48
     assert row["sintel_test_clean/epe"] is None and row["sintel_test_clean/epe paper"] == 1.16
 

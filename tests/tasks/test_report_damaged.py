@@ -47,7 +47,7 @@ def test_damaged_training_jobs_are_listed_with_their_file_and_the_rest_reported(
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error (ValueError): 5 of the jobs could not be read (") and "report.md" in line
-    assert "report: 6 jobs of the 6 the sweep launched: 5 unreadable, 1 done" in result.stdout
+    assert "report: 6 jobs of the 6 launched: 5 unreadable, 1 done" in result.stdout
     assert not (checkout / "owned").exists()  # the tags were never run
     done = rows[jobs[5].name]  # the one job whose overrides are known: named by its folder
     assert done["status"] == "done" and float(done["synthetic/epe"]) > 0
@@ -102,7 +102,7 @@ def test_a_damaged_evaluation_and_failed_jobs_record_are_listed_and_the_rest_rep
         f"error (ValueError): 2 of the jobs could not be read ({evaluated[0] / 'eval_results.json'}: no "
     )
     assert (
-        "4 jobs of the 4 the sweep launched: 2 unreadable, 1 done, 1 failed"
+        "4 jobs of the 4 launched: 2 unreadable, 1 done, 1 failed"
         in (sweep / "report.md").read_text()
     )
     statuses = {name: row["status"] for name, row in rows.items()}
