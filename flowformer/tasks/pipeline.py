@@ -21,8 +21,9 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
   seed, logger, experiment, protocol, sweep, pipeline.*, hydra.*). A row's override goes to every stage and
   evaluation (the network is the same through the protocol), except that a dotted key goes only where the
   run's config has it (`model.mask_ratio` to the MCVA stage, `model.optimizer.lr` and `backbone.*` everywhere)
-  and `model=<name>` only to the pretraining stages (a row chooses the pretraining objective; the supervised
-  stages stay `model=flow`). The shared and row overrides a run did not take are listed in its record
+  and `model=<name>` and the keys in `pretraining_only` (backbone.decoder_query) only to the pretraining stages
+  (a row chooses the pretraining objective, or how only pretraining queries; the supervised stages stay
+  `model=flow`, with the method's query). The shared and row overrides a run did not take are listed in its record
   (`dropped`). Command-line overrides compose in the job's own config first: a protocol that pretrains
   selects its pretraining model (`model: mcva`), so that MCVA knobs (sweep=mcva_*) compose.
 - `resume`: the run directory of an earlier run of the same pipeline (in a multirun: its sweep directory,
@@ -103,7 +104,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,12 +214,12 @@ def row_overrides(cfg: DictConfig) -> list[str]:
     return [*(str(override) for override in cfg.pipeline.row), *job]
 
 
-def takes(override: str, probe: DictConfig) -> bool:
-    """Whether a run composed as `probe` takes a row's override: model=<name> only a pretraining run; a dotted
-    key (model.mask_ratio, data.val_batch_size) only a run whose config has it; anything else (a group choice
-    such as backbone=small, a +key addition) every run."""
+def takes(override: str, probe: DictConfig, pretraining_only: Collection[str] = ()) -> bool:
+    """Whether a run composed as `probe` takes a row's override: model=<name> and the keys in
+    `pretraining_only` only a pretraining run; a dotted key (model.mask_ratio, data.val_batch_size) only a run
+    whose config has it; anything else (a group choice such as backbone=small, a +key addition) every run."""
     key = override_key(override)
-    if key == "model":
+    if key == "model" or key in pretraining_only:
         return probe.task == "pretrain"
     if "." not in key or override.startswith("+"):
         return True
@@ -464,6 +465,7 @@ class Pipeline:
         written = row_overrides(cfg)  # the record's row: what task=report matches the paper's rows on
         substitutes = {str(override): str(run) for override, run in cfg.pipeline.substitutes.items()}
         self.row = [substitutes.get(override, override) for override in written]  # what the runs take
+        self.pretraining_only = {str(key) for key in cfg.pipeline.pretraining_only}
         self.configs: dict[str, DictConfig] = {}
         earlier_stages = {entry["name"]: entry for entry in (earlier or {}).get("stages", [])}
         earlier_evaluations = {entry["label"]: entry for entry in (earlier or {}).get("evaluations", [])}
@@ -517,8 +519,8 @@ class Pipeline:
         choices = [override for override in [*self.shared, *self.row] if override_key(override) == "model"]
         if choices and takes(choices[-1], probe):
             probe = hydra.compose("config", overrides=[*groups, *own, choices[-1], *tail])
-        shared = [override for override in self.shared if takes(override, probe)]
-        row = [override for override in self.row if takes(override, probe)]
+        shared = [override for override in self.shared if takes(override, probe, self.pretraining_only)]
+        row = [override for override in self.row if takes(override, probe, self.pretraining_only)]
         dropped = [override for override in [*self.shared, *self.row] if override not in (*shared, *row)]
         overrides = [*shared, *own, *row, *handoff]
         return hydra.compose("config", overrides=[*overrides, *tail]), overrides, dropped

@@ -194,6 +194,8 @@ def test_the_smoke_command_of_a_table_trains_every_row_through_its_protocol(swee
         assert [stage["task"] for stage in record["stages"]] == ["pretrain"] * pretrains + ["train", "train"]
         if "backbone.twins_weights=imagenet" in record["row"]:  # run with the tiny Twins' stand-in weights
             assert all("backbone.twins_weights=standin" in stage["overrides"] for stage in record["stages"])
+        if "backbone.decoder_query=pe" in record["row"]:  # the query of pretraining only: finetuning has the method's
+            assert ["backbone.decoder_query=pe" in stage["overrides"] for stage in record["stages"]] == [True, False, False]
     assert len({job_results(record) for record in records}) == len(records)  # every row its own results
     if sweep in PAPER_SWEEPS:  # each job's record has its row's overrides as written: task=report's match
         rows = [row["overrides"] for row in read_table(sweep)["rows"].values()]
