@@ -6,7 +6,8 @@ photograph instead of procedural noise (:class:`PhotoTextures`, the synthetic mo
 FlyingChairs is this kind of data (chairs over Flickr photographs).
 
 - The photographs are the ``.jpg``/``.png`` (and ``.bmp .ppm .webp``) files under ``root``, searched
-  recursively; with ``root`` null, photographs that ship inside scikit-image (:data:`SKIMAGE_PHOTOS`), so
+  recursively, each file once however many links lead to it (a link loop is not followed, a warning counts
+  what was skipped); with ``root`` null, photographs that ship inside scikit-image (:data:`SKIMAGE_PHOTOS`), so
   nothing is downloaded.
 - ``split`` ``train`` or ``val``: the files are ordered by a hash of their path relative to the root and
   the first ``round(n * val_fraction)`` (at least 1, at most n - 1) are held out for ``val``. A file is in
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +86,8 @@ def skimage_photo_dir() -> Path:
 
 
 def find_images(root: Path, owner: str) -> list[Path]:
-    """Every image file under ``root`` (recursive), sorted; one-line ImageFolderError when there is none."""
+    """Every image file under ``root`` (recursive, each file once: :func:`_walk_once`), sorted; one-line
+    ImageFolderError when there is none."""
     if not root.exists():
         raise ImageFolderError(
             f"{owner}: the image folder {root} does not exist; set the dataset's root (data.train.root with "
@@ -99,18 +102,51 @@ def find_images(root: Path, owner: str) -> list[Path]:
             "permissions"
         )
 
-    found = [
-        Path(folder) / name
-        for folder, _, names in os.walk(root, onerror=unreadable, followlinks=True)
-        for name in names
-        if Path(name).suffix.lower() in IMAGE_SUFFIXES
-    ]
+    found, repeated_folders, repeated_files = _walk_once(root, unreadable)
+    if repeated_folders or repeated_files:
+        log.warning(
+            "%s: %s: skipped %d folders already visited (a symbolic-link loop or a second link to one folder) "
+            "and %d files that are another path to an image already found; each image is used once",
+            owner, root, repeated_folders, repeated_files,
+        )
     if not found:
         raise ImageFolderError(
             f"{owner}: the image folder {root} holds no images ({' '.join(IMAGE_SUFFIXES)}, searched "
             "recursively); put photographs there, or leave root null for scikit-image's photographs"
         )
     return sorted(found)
+
+
+def _walk_once(root: Path, onerror: Callable[[OSError], None]) -> tuple[list[Path], int, int]:
+    """The image files under ``root``, following symbolic links but entering each folder and taking each
+    file (by device and inode: links and hard links are one file) once, in sorted order, so a link loop ends
+    and a photograph reached by two paths is found once -> (files, folders skipped, files skipped)."""
+    folders: set[tuple[int, int]] = set()
+    files: dict[tuple[int, int], Path] = {}
+    broken: list[Path] = []  # links to nothing: kept, the header check counts them as not readable
+    repeated_folders = repeated_files = 0
+    for folder, subfolders, names in os.walk(root, onerror=onerror, followlinks=True):
+        subfolders.sort()
+        status = os.stat(folder)
+        if (status.st_dev, status.st_ino) in folders:
+            subfolders.clear()
+            repeated_folders += 1
+            continue
+        folders.add((status.st_dev, status.st_ino))
+        for name in sorted(names):
+            path = Path(folder) / name
+            if path.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            try:
+                status = path.stat()
+            except OSError:
+                broken.append(path)
+                continue
+            if (status.st_dev, status.st_ino) in files:
+                repeated_files += 1
+            else:
+                files[(status.st_dev, status.st_ino)] = path
+    return [*files.values(), *broken], repeated_folders, repeated_files
 
 
 def split_files(files: list[Path], root: Path, split: str, val_fraction: float, owner: str) -> list[Path]:

@@ -92,6 +92,25 @@ def test_the_split_is_by_file_and_never_shares_a_photograph(photos: Path, caplog
     assert set(val.textures._cache) <= val_files
 
 
+def test_links_lead_to_each_photograph_once_and_a_loop_is_not_followed(tmp_path: Path, caplog) -> None:
+    """8 photographs under a root holding a symbolic-link loop (sub/loop -> the root) and a link to a file:
+    each photograph is found once, in one split, and one warning line says what was skipped."""
+    for seed in range(8):
+        path = tmp_path / ("sub" if seed % 2 else "") / f"{seed}.png"
+        path.parent.mkdir(exist_ok=True)
+        cv2.imwrite(str(path), _photo(seed))
+    (tmp_path / "sub" / "loop").symlink_to("..")
+    (tmp_path / "link.png").symlink_to("0.png")
+    with caplog.at_level(logging.WARNING):
+        train = ImageFolderFlowDataset(root=tmp_path, num_samples=1, size=SIZE, val_fraction=0.25)
+        val = ImageFolderFlowDataset(root=tmp_path, split="val", num_samples=1, size=SIZE, val_fraction=0.25)
+    photographs = [path.resolve() for path in [*train.textures.files, *val.textures.files]]
+    assert len(photographs) == len(set(photographs)) == 8  # each once, so in one split only
+    assert (len(train.textures.files), len(val.textures.files)) == (6, 2)
+    skipped = f"{tmp_path}: skipped 1 folders already visited (a symbolic-link loop or a second link to one"
+    assert sum(f"{skipped} folder) and 1 files" in message for message in caplog.messages) == 2  # each split
+
+
 def test_folder_errors_are_one_line_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def error_for(root: Path) -> str:
         with pytest.raises(ImageFolderError) as caught:
