@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 
 from flowformer.data.datasets import to_chw
-from flowformer.data.io import FlowFileError, read_image
+from flowformer.data.io import FlowFileError, exif_orientation, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
 from flowformer.data.transforms import FlowAugmentor, ImagePairAugmentor, WorkerRNG
@@ -170,12 +170,14 @@ def split_files(files: list[Path], root: Path, split: str, val_fraction: float, 
 
 
 def _header(path: Path) -> tuple[int, int, bool] | None:
-    """(height, width, 8-bit channels or not) from the file's header (nothing decoded); None when it is not a
-    readable image. A 16-bit PNG or TIFF has mode I;16 (grey) or a raw mode ';16' (colour, which PIL would
+    """(height, width as viewers show it, upright; 8-bit channels or not) from the file's header (nothing
+    decoded); None when it is not a readable image. A 16-bit PNG or TIFF has mode I;16 (grey) or a raw mode ';16' (colour, which PIL would
     reduce to 8 bits); OpenCV, which every image read goes through, decodes it to 16 bits."""
     try:
         with Image.open(path) as image:
             width, height = image.size
+            if exif_orientation(image) >= 5:  # stored on its side: read_image turns it upright
+                width, height = height, width
             raw_modes = [tile.args if isinstance(tile.args, str) else tile.args[0] for tile in image.tile]
             eight_bit = not image.mode.startswith(("I", "F")) and not any(";16" in mode for mode in raw_modes)
     except (OSError, ValueError, IndexError, Image.DecompressionBombError):

@@ -1,4 +1,5 @@
-"""Flow and image file I/O: Middlebury ``.flo``, ``.pfm``, KITTI 16-bit PNG flow and 8-bit images.
+"""Flow and image file I/O: Middlebury ``.flo``, ``.pfm``, KITTI 16-bit PNG flow and 8-bit images (turned
+as their EXIF orientation says).
 
 Formats as the official ``core/utils/frame_utils.py`` reads them. Every reader returns numpy arrays in
 (H, W, C) layout; every failure (missing or unreadable file, wrong magic, truncated data, wrong size) raises
@@ -9,18 +10,22 @@ full) raises ``OutputWriteError`` naming it.
 
 from __future__ import annotations
 
+import io
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import cv2
 import numpy as np
+from PIL import Image
 
 from flowformer.models.output_files import atomic_write
 
 __all__ = [
     "FLO_MAGIC",
     "FlowFileError",
+    "exif_orientation",
     "read_flo",
     "read_flow",
     "read_image",
@@ -236,8 +241,39 @@ def _write_picture(path: PathLike, rgb: np.ndarray) -> None:
         file.write(data.tobytes())
 
 
+# EXIF orientation (tag 0x0112) -> how the stored pixels become the picture viewers show: numpy's view of the
+# transform PIL.ImageOps.exif_transpose applies (5-8 swap height and width)
+EXIF_ORIENTATION_TAG = 0x0112
+_ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    2: lambda a: a[:, ::-1],  # mirrored left-right
+    3: lambda a: a[::-1, ::-1],  # rotated 180
+    4: lambda a: a[::-1],  # mirrored top-bottom
+    5: lambda a: a.swapaxes(0, 1),  # transposed
+    6: lambda a: np.rot90(a, -1),  # to be turned 90 degrees clockwise
+    7: lambda a: a[::-1, ::-1].swapaxes(0, 1),  # transversed
+    8: lambda a: np.rot90(a, 1),  # to be turned 90 degrees counter-clockwise
+}
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation of an opened image (1, as stored, when it has none or an unknown value)."""
+    orientation = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
+    return orientation if orientation in _ORIENT else 1
+
+
+def _upright(encoded: bytes, image: np.ndarray) -> np.ndarray:
+    """`image` decoded from `encoded` turned as its EXIF orientation says (as every viewer shows it)."""
+    try:
+        with Image.open(io.BytesIO(encoded)) as header:
+            orientation = exif_orientation(header)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        orientation = 1  # a format PIL does not read (OpenCV did) carries no EXIF that PIL could give
+    return image if orientation == 1 else np.ascontiguousarray(_ORIENT[orientation](image))
+
+
 def read_image(path: PathLike) -> np.ndarray:
-    """Read an 8-bit image -> uint8 [H, W, 3] RGB. Grey images become 3 channels, RGBA drops alpha."""
+    """Read an 8-bit image -> uint8 [H, W, 3] RGB, turned as its EXIF orientation says (as viewers show it).
+    Grey images become 3 channels, RGBA drops alpha."""
     if not Path(path).is_file():
         raise FlowFileError(path, "file not found; check the dataset root and the file name")
     encoded = Path(path).read_bytes()  # read once: decoded and checked for truncation from the same bytes
@@ -252,11 +288,11 @@ def read_image(path: PathLike) -> np.ndarray:
     if raw.dtype != np.uint8:
         raise FlowFileError(path, f"expected an 8-bit image, got dtype {raw.dtype}")
     if raw.ndim == 2:
-        return np.repeat(raw[:, :, None], 3, axis=2)
+        return _upright(encoded, np.repeat(raw[:, :, None], 3, axis=2))
     if raw.shape[2] == 1:
-        return np.repeat(raw, 3, axis=2)
+        return _upright(encoded, np.repeat(raw, 3, axis=2))
     if raw.shape[2] in (3, 4):
-        return np.ascontiguousarray(raw[:, :, 2::-1])  # BGR(A) -> RGB
+        return _upright(encoded, np.ascontiguousarray(raw[:, :, 2::-1]))  # BGR(A) -> RGB
     raise FlowFileError(path, f"expected 1, 3 or 4 image channels, got {raw.shape[2]}")
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+from PIL import Image, ImageOps
 
 from flowformer.data.io import (
     FlowFileError,
@@ -189,6 +190,22 @@ def test_read_image_grey_rgb_rgba(tmp_path: Path) -> None:
     cv2.imwrite(str(tmp_path / "deep.png"), np.zeros((4, 4), np.uint16))
     with pytest.raises(FlowFileError, match="deep.png.*8-bit"):
         read_image(tmp_path / "deep.png")
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_read_image_turns_a_jpeg_as_its_exif_orientation_says(tmp_path: Path, orientation: int) -> None:
+    """A 160x240 JPEG tagged with each EXIF orientation reads as PIL.ImageOps.exif_transpose shows it (what
+    viewers show: 240x160 for 5-8)."""
+    blocks = np.random.default_rng(0).integers(0, 255, (10, 15, 3), dtype=np.uint8)
+    stored = Image.fromarray(np.kron(blocks, np.ones((16, 16, 1), dtype=np.uint8)))  # [160, 240]
+    exif = stored.getexif()
+    exif[0x0112] = orientation
+    path = tmp_path / "photo.jpg"
+    stored.save(path, exif=exif, quality=95)
+    with Image.open(path) as image:
+        shown = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    assert shown.shape == ((160, 240, 3) if orientation < 5 else (240, 160, 3))
+    np.testing.assert_array_equal(read_image(path), shown)
 
 
 def test_read_flow_dispatch(tmp_path: Path, flow: np.ndarray) -> None:

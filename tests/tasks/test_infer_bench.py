@@ -9,6 +9,7 @@ import hydra
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from flowformer.data.io import read_flo, read_kitti_flow
 from flowformer.eval.protocol import forward_project
@@ -50,6 +51,23 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
     ]
     assert read_flo(out / "f00.flo").shape == (HEIGHT, WIDTH, 2)
     assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
+
+
+def test_a_jpeg_pair_tagged_on_its_side_gets_its_flow_as_viewers_show_it(tmp_path, checkpoint):
+    """JPEGs stored 50x70 with EXIF orientation 6 (turn 90 degrees clockwise) show as 70x50: their flow and
+    flow picture are 70x50."""
+    paths = []
+    for i, frame in enumerate(frames(2)):
+        image = Image.fromarray(frame)
+        exif = image.getexif()
+        exif[0x0112] = 6
+        paths.append(tmp_path / f"f{i}.jpg")
+        image.save(paths[-1], exif=exif)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input=[{paths[0]},{paths[1]}]", f"infer.checkpoint={checkpoint}",
+                     f"infer.output_dir={out}", "infer.iters=1", "infer.device=cpu", "infer.save_video=false"))
+    assert read_flo(out / "f0.flo").shape == (WIDTH, HEIGHT, 2)
+    assert cv2.imread(str(out / "f0_flow.png")).shape == (WIDTH, HEIGHT, 3)
 
 
 def test_a_non_finite_flow_is_an_error_naming_the_pair_and_is_not_written(tmp_path):
