@@ -10,7 +10,9 @@ signal's number (143 for SIGTERM, 138 for SIGUSR1), so a scheduler sees a failur
   `last.ckpt` at that step (flowformer/lit/checkpointing.py). :class:`Preemption` makes SIGUSR1 stop the same
   way where nothing else handles it, and remembers which signal came. Under SLURM, Lightning's auto-requeue
   handles SIGUSR1 itself (`SLURMEnvironment`): it writes `hpc_ckpt_<n>.ckpt` into the run directory, runs
-  `scontrol requeue <job>`, and SLURM's SIGTERM then stops the run as above.
+  `scontrol requeue <job>`, and SLURM's SIGTERM then stops the run as above. Where `scontrol` is not on PATH
+  (a container), the requeue cannot happen: SIGUSR1 then stops the run as SIGTERM does, with one line saying
+  why, so the job can be resubmitted.
 - A requeued SLURM job runs the same command again, in a new run directory: :func:`resume_requeued_job` sets
   its `ckpt_path` to the `last.ckpt` the job's previous run recorded (:func:`record_for_requeue`), so it
   continues exactly as `ckpt_path=<that file>` would (Lightning's `hpc_ckpt_<n>.ckpt`, written in the middle
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -121,6 +124,8 @@ class Preemption(L.Callback):
             handler = signal.getsignal(signum)
             if not callable(handler):  # SIGUSR1 outside SLURM: Lightning's SIGTERM handling, as for SIGTERM
                 handler = partial(lightning_sigterm, signal.SIGTERM)
+            elif signum == signal.SIGUSR1 and shutil.which("scontrol") is None:  # Lightning's requeue would fail
+                handler = partial(_cannot_requeue, partial(lightning_sigterm, signal.SIGTERM))
             else:
                 handler = partial(handler, signum)
             signal.signal(signum, partial(self._note, handler))
@@ -136,6 +141,18 @@ class Preemption(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         _forked_children.ignore_stop_signals = False
+
+
+def _cannot_requeue(stop: Callable[[FrameType | None], Any], frame: FrameType | None) -> None:
+    """SIGUSR1 under SLURM where `scontrol` is not on PATH (a container): Lightning's auto-requeue would fail
+    and training would run on, so the run says why and stops as on SIGTERM (`stop`), saving last.ckpt."""
+    log.warning(
+        "SIGUSR1: SLURM job %s cannot be requeued: scontrol is not on PATH (%s); stopping after the step in "
+        "progress with last.ckpt saved, so the job can be resubmitted",
+        os.environ.get("SLURM_JOB_ID", "?"),
+        os.environ.get("PATH", ""),
+    )
+    stop(frame)
 
 
 class _ForkedChildren:

@@ -8,6 +8,7 @@ and a playable flow.mp4; Ctrl-C during a checkpoint write leaves no temporary fi
 import contextlib
 import csv
 import os
+import shutil
 import signal
 import stat
 import time
@@ -161,6 +162,23 @@ def test_slurm_requeues_on_sigusr1_and_the_requeued_job_resumes_from_last_ckpt(t
     with open(requeued / "csv" / "metrics.csv") as metrics:
         steps = {int(row["step"]) for row in csv.DictReader(metrics)}
     assert saved_step(requeued / "checkpoints" / "last.ckpt") == 6 and min(steps) >= 3, steps
+
+
+def test_sigusr1_under_slurm_without_scontrol_saves_last_ckpt_and_fails_saying_why(tmp_path):
+    """In a container with SLURM's variables but no `scontrol` on PATH, Lightning's requeue cannot run: the
+    warning signal still stops the run after the step in progress, with last.ckpt, status 138 and one line."""
+    bin_dir = tmp_path / "bin"  # the PATH of a container: a shell, no SLURM tools
+    bin_dir.mkdir()
+    (bin_dir / "sh").symlink_to(shutil.which("sh"))
+    env = {**ENV, **SLURM_JOB, "PATH": str(bin_dir)}
+    run_dir = tmp_path / "run"
+    command = ("debug=tiny", "trainer.max_steps=6", f"hydra.run.dir={run_dir}", *signal_at(2, "SIGUSR1"))
+    result = run_py(*command, env=env, expect_ok=False, timeout=240)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
+    assert saved_step(run_dir / "checkpoints" / "last.ckpt") == 3
+    log = (run_dir / "run.log").read_text()
+    assert log.count(f"SIGUSR1: SLURM job 4242 cannot be requeued: scontrol is not on PATH ({bin_dir})") == 1
+    assert "training stopped by SIGUSR1 at step 3" in log
 
 
 @pytest.fixture
