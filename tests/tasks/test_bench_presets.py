@@ -70,6 +70,8 @@ def test_a_preset_of_tiny_rows_writes_the_table_with_operator_counts(tmp_path):
         ("tiny_train_budget", "train", "budget 0.0001 GB", "ok"),
     ]
     assert all(0 < r["operators_per_decoder_iteration"] < r["operators_per_step"] for r in rows)
+    # the counting steps come after the built model's memory is read: a training step's own memory shows
+    assert all(r["peak_rss_mib"] > r["built_rss_mib"] for r in rows[1:])
     # a bounded plan works in blocks: more operators for the same numbers
     assert rows[2]["operators_per_step"] > rows[1]["operators_per_step"]
     table = (checkout / "out" / "bench.md").read_text().splitlines()
