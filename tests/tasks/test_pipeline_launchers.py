@@ -102,16 +102,20 @@ def test_a_ddp_stage_killed_mid_way_resumes_with_pipeline_resume(tmp_path):
     assert "MEMBER: 2/2" in output
 
 
+def torchrun(checkout: Path, *args: str, new_session: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node=2 run.py <args>` in `checkout`, to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "run.py", *args],
+        cwd=checkout, env={**os.environ, "WANDB_MODE": "offline", **ENV}, capture_output=True, text=True, timeout=900,
+        check=False, start_new_session=new_session,
+    )
+
+
 def test_a_pipeline_under_torchrun_is_owned_by_rank_0_and_trained_by_both(tmp_path):
     """`torchrun --nproc-per-node=2 run.py task=pipeline ...`: both processes train every stage in one process
     group; rank 0 alone moves, writes and evaluates (the others never touch the pipeline's folders)."""
     checkout = checkout_with_protocol(tmp_path, "torchrun_table", chairs=[], things=[])
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "run.py",
-         "task=pipeline", "protocol=torchrun_table", "trainer=ddp", "trainer.devices=2", *GLOO],
-        cwd=checkout, env={**os.environ, "WANDB_MODE": "offline", **ENV}, capture_output=True, text=True, timeout=900,
-        check=False,
-    )
+    result = torchrun(checkout, "task=pipeline", "protocol=torchrun_table", "trainer=ddp", "trainer.devices=2", *GLOO)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     [run_dir] = (checkout / "logs" / "pipeline" / "torchrun_table" / "runs").iterdir()
@@ -123,6 +127,32 @@ def test_a_pipeline_under_torchrun_is_owned_by_rank_0_and_trained_by_both(tmp_pa
     for stage in ("chairs", "things"):
         assert f"pipeline: rank 1 trains {run_dir / stage}" in output
     assert torch.load(run_dir / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_a_stage_killed_mid_way_under_torchrun_resumes_with_pipeline_resume(tmp_path):
+    """Both processes killed (SIGKILL) during step 2 of the last stage (torchrun, seeing a worker die, ends the
+    job); a new torchrun with pipeline.resume: rank 0 keeps the finished stage and both processes resume the
+    killed one from its last.ckpt."""
+    kill = f"+callbacks.kill={{_target_:helpers.faults.KillGroupOnceAtStep,step:1,marker:'{tmp_path / 'killed'}'}}"
+    last_every_step = ["trainer.max_steps=3", "callbacks.last_checkpoint.every_n_train_steps=1", kill]
+    checkout = checkout_with_protocol(tmp_path, "torchrun_killed", chairs=[], things=last_every_step)
+    command = ("task=pipeline", "protocol=torchrun_killed", "trainer=ddp", "trainer.devices=2", *GLOO)
+    killed = torchrun(checkout, *command, new_session=True)
+    assert killed.returncode != 0, (killed.stdout + killed.stderr)[-4000:]
+    [run_dir] = (checkout / "logs" / "pipeline" / "torchrun_killed" / "runs").iterdir()
+    chairs, things = record(run_dir)["stages"]
+    assert chairs["status"] == "done" and things["status"] != "done"
+
+    resumed = torchrun(checkout, *command, f"pipeline.resume={run_dir}")
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert "pipeline: stage 1/2 chairs finished already" in output
+    done = record(run_dir)
+    assert done["status"] == "done" and done["stages"][1]["resumed_from"] == [
+        str(run_dir / "things.interrupted" / "checkpoints" / "last.ckpt")
+    ]
+    assert f"pipeline: rank 1 trains {run_dir / 'things'}" in output
+    assert torch.load(done["stages"][1]["checkpoint"], weights_only=True)["global_step"] == 3
 
 
 def test_a_table_through_hydras_submitit_launcher_runs_each_row_as_a_job(tmp_path):
