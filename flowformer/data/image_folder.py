@@ -13,7 +13,8 @@ FlyingChairs is this kind of data (chairs over Flickr photographs).
   the first ``round(n * val_fraction)`` (at least 1, at most n - 1) are held out for ``val``. A file is in
   one split only, whatever the render size, so a validation scene never shows a training photograph.
 - Images smaller than the render size are skipped, with one warning line counting them; so are files whose
-  header cannot be read and images that are not 8-bit (16-bit PNG or TIFF), as task=infer refuses them. A file that fails to decode later is replaced by the next one, with a warning.
+  header cannot be read and images that are not 8-bit (16-bit PNG or TIFF), as task=infer refuses them. A file that fails to decode later is replaced by the next one, with a warning; files that disappear while
+  the run goes on stop it at once (:class:`~flowformer.data.io.InputsGoneError`, training saves last.ckpt).
 - Each layer crops a window ``zoom`` times the render size (log-uniform in ``[1, max_zoom]``, as far as the
   photograph allows), at a random place, mirrored with probability 1/2, resized to the render size.
 """
@@ -34,7 +35,7 @@ import torch
 from PIL import Image
 
 from flowformer.data.datasets import to_chw
-from flowformer.data.io import FlowFileError, exif_orientation, read_image
+from flowformer.data.io import FlowFileError, InputsGoneError, exif_orientation, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
 from flowformer.data.transforms import FlowAugmentor, ImagePairAugmentor, WorkerRNG
@@ -264,6 +265,8 @@ class PhotoTextures:
             try:
                 image = read_image(path)
             except FlowFileError as error:
+                if not path.exists():
+                    self._stop_if_gone()
                 log.warning("%s: using the next image instead of %s", self.owner, error)
                 continue
             self._cache[path] = image
@@ -271,6 +274,17 @@ class PhotoTextures:
                 self._cache.popitem(last=False)  # the least recently used
             return image
         raise ImageFolderError(f"{self.owner}: none of the {len(self.files)} images of {self.root} decodes")
+
+    def _stop_if_gone(self) -> None:
+        """InputsGoneError when this split's photographs are missing from the folder (deleted or moved while
+        the run goes on): the next one is not tried, and training stops at once, saving last.ckpt."""
+        gone = [path for path in self.files if not path.exists()]
+        if gone:
+            raise InputsGoneError(
+                f"{self.owner}: {len(gone)} of the {len(self.files)} photographs of the {self.split} split of "
+                f"{self.root} disappeared during the run (e.g. {gone[0]}); put them back and resume from "
+                "last.ckpt (ckpt_path=<its path>)"
+            )
 
     def _crop(self, draw: np.ndarray, height: int, width: int) -> np.ndarray:
         """One layer's texture from its five uniform draws (image, zoom, y, x, mirror) -> uint8 [H, W, 3]."""

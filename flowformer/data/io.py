@@ -25,6 +25,7 @@ from flowformer.models.output_files import atomic_write
 __all__ = [
     "FLO_MAGIC",
     "FlowFileError",
+    "InputsGoneError",
     "exif_orientation",
     "read_flo",
     "read_flow",
@@ -59,6 +60,12 @@ class FlowFileError(ValueError):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class InputsGoneError(FileNotFoundError):
+    """Input files a run found when it started are gone while it runs (deleted or moved): nothing more can be
+    read, while the training state is whole, so training saves last.ckpt before it stops
+    (``flowformer/lit/checkpointing.py``, ``LastCheckpoint``). The message is one line."""
 
 
 def _split_single_message(text: str) -> tuple[str, str]:

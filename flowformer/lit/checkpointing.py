@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from flowformer.data.io import InputsGoneError
 from flowformer.lit.base import FORMER_HYPERPARAMETERS, BackboneModule
 from flowformer.lit.flow import FlowModule
 from flowformer.lit.mcva import MCVAPretrainModule
@@ -70,7 +71,8 @@ class LastCheckpoint(Checkpoint):
     """``<dirpath>/last.ckpt``: the full training state every ``every_n_train_steps`` optimiser steps, at the
     end of training, and at the step a stop signal came in: Lightning notes SIGTERM
     (``trainer.received_sigterm``) and ends training with ``SIGTERMException`` after that step, or after the
-    validation batch in progress when the step is followed by a validation. A ``Checkpoint`` subclass, so
+    validation batch in progress when the step is followed by a validation; and when input files disappear
+    during the run (``InputsGoneError``: the state is whole, the data is not). A ``Checkpoint`` subclass, so
     Lightning runs it after the other callbacks of a step.
 
     A step followed by a validation is saved as it stood when that validation started, whenever the save
@@ -120,7 +122,7 @@ class LastCheckpoint(Checkpoint):
         self._save(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException):
+        if isinstance(exception, (SIGTERMException, InputsGoneError)):  # the state is whole: keep it
             self._save(trainer)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

@@ -27,7 +27,7 @@ from flowformer.data.transforms import FlowAugmentor
 from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config
-from helpers.configs import CONF_DIR
+from helpers.configs import CONF_DIR, REPO_DIR
 from helpers.run import fresh_checkout, run_py
 from helpers.warping import visible, warp_error
 
@@ -173,6 +173,45 @@ def test_a_folder_of_16_bit_pngs_is_refused_as_not_8_bit(tmp_path: Path, caplog)
         int(line.split("skipped ")[1].split()[0]) for line in caplog.messages if "not 8-bit" in line
     ) == 6
     assert all(read_image(path).dtype == np.uint8 for path in dataset.textures.files)
+
+
+def test_photographs_deleted_during_training_stop_it_at_once_saving_last_ckpt(tmp_path: Path) -> None:
+    """`python run.py ... data=image_folder +data.train.cache_mb=0` whose photographs are deleted after step 2:
+    the run stops with one line saying they disappeared, last.ckpt saved, instead of training on with the one
+    photograph in memory."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for seed in range(8):
+        cv2.imwrite(str(photos / f"{seed}.png"), _photo(seed))
+    run_dir = tmp_path / "run"
+    result = run_py(
+        "task=train",
+        "backbone=tiny",
+        "trainer=cpu",
+        "data=image_folder",
+        f"data.train.root={photos}",
+        "data.batch_size=2",
+        "data.val.image_folder.dataset.num_samples=2",
+        "model.train_iters=2",
+        "trainer.val_check_interval=20",
+        "+data.train.cache_mb=0",
+        "data.train.size=[40,56]",
+        "data.train.augmentor.crop_size=[32,48]",
+        "trainer.max_steps=40",
+        "+callbacks.delete._target_=helpers.faults.DeleteFolderAtStep",
+        "+callbacks.delete.step=2",
+        f"+callbacks.delete.folder={photos}",
+        f"hydra.run.dir={run_dir}",
+        env={"PYTHONPATH": str(REPO_DIR / "tests")},
+        expect_ok=False,
+        timeout=600,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert f"photographs of the train split of {photos} disappeared during the run" in error
+    assert "using the next image instead" not in result.stdout + result.stderr
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert 2 <= checkpoint["global_step"] < 40
 
 
 def test_a_file_that_fails_to_decode_is_replaced_by_the_next(tmp_path: Path, caplog) -> None:

@@ -4,6 +4,7 @@ and a full disk (`fill_disk`)."""
 import builtins
 import errno
 import os
+import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,19 @@ class KillAtStep(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DeleteFolderAtStep(L.Callback):
+    """Delete `folder` (a dataset's files) when the batch after `step` optimiser steps starts, as a user
+    cleaning up scratch space while the run goes on."""
+
+    def __init__(self, step: int, folder: str) -> None:
+        self.step = step
+        self.folder = Path(folder)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            shutil.rmtree(self.folder)
 
 
 class KillGroupOnceAtStep(L.Callback):
