@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
+from flowformer.tasks.batches import training_datamodule
 from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network, device_memory_settings, training_device
@@ -23,7 +24,7 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     training after the step in progress, with last.ckpt at that step (StoppedBySignal)."""
     seed_run(cfg.seed)
     resume_requeued_job(cfg)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = training_datamodule(cfg)
     model = build_model(cfg)
     run = prepare_run(cfg, datamodule, model)
     record_for_requeue(cfg)

@@ -4,6 +4,8 @@ line and through the conf/sweep/mcva_*.yaml grids (each value reaches the module
 import hydra
 import pytest
 
+from flowformer.tasks.batches import per_process_batch
+
 from helpers.compose import compose_run_config
 
 TINY_CPU = ["backbone=tiny", "data=synthetic_video", "trainer=cpu"]
@@ -19,7 +21,7 @@ def test_mcva_pretrain_is_the_official_recipe():
         3,
         "crop_and_pe",
     )
-    assert cfg.data.train._target_.endswith("YouTubeVOS") and cfg.data.batch_size == 24
+    assert cfg.data.train._target_.endswith("YouTubeVOS") and per_process_batch(cfg) == 24  # on one GPU
     assert list(cfg.backbone.activation_checkpoint) == ["tokenize"]  # batch 24 then fits one 80 GB GPU (56.9 GB measured, bf16)
     assert list(cfg.data.train.augmentor.crop_size) == [368, 496]
     assert (cfg.data.train.frame_gap, cfg.data.train.stride) == (9, 3)

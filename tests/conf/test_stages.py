@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowformer.data.io import write_flo, write_kitti_flow
 from flowformer.lit.flow import FlowModule
+from flowformer.tasks.batches import per_process_batch, training_datamodule
 
 from helpers.compose import compose_run_config
 from helpers.configs import CONF_DIR
@@ -61,7 +62,7 @@ def test_stage_hyperparameters(stage: str, variant: str) -> None:
     assert cfg.model.max_flow == pytest.approx(400.0)
     assert cfg.trainer.max_steps == steps
     assert cfg.trainer.gradient_clip_val == pytest.approx(1.0)
-    assert cfg.data.batch_size == batch
+    assert per_process_batch(cfg) == batch  # the global batch, all of it on one GPU
     assert list(cfg.data.val) == val_sets
     assert list(cfg.eval.sets) == val_sets
     assert cfg.name == stage
@@ -134,16 +135,12 @@ def test_stage_datamodules_instantiate_on_tiny_trees(tmp_path: Path) -> None:
             kitti / "flow_occ" / f"{i:06d}_10.png", rng.normal(size=(20, 40, 2)).astype(np.float32)
         )
 
-    chairs_dm = hydra.utils.instantiate(
-        compose_run_config(["experiment=chairs", f"paths.data_dir={tmp_path}"]).data
-    )
+    chairs_dm = training_datamodule(compose_run_config(["experiment=chairs", f"paths.data_dir={tmp_path}"]))
     assert _sizes(chairs_dm) == {"train": 2, "val": {"chairs": 1}}
     item = chairs_dm.val_sets["chairs"][0]
     assert item["img1"].shape == (3, 24, 32) and item["flow"].shape == (2, 24, 32)
 
-    kitti_dm = hydra.utils.instantiate(
-        compose_run_config(["experiment=kitti", f"paths.data_dir={tmp_path}"]).data
-    )
+    kitti_dm = training_datamodule(compose_run_config(["experiment=kitti", f"paths.data_dir={tmp_path}"]))
     assert _sizes(kitti_dm) == {"train": 2, "val": {"kitti": 2}}
     assert kitti_dm.batch_size == 6
 
