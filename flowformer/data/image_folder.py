@@ -177,10 +177,11 @@ def _header(path: Path) -> tuple[int, int, bool] | None:
     try:
         with Image.open(path) as image:
             width, height = image.size
-            if exif_orientation(image) >= 5:  # stored on its side: read_image turns it upright
-                width, height = height, width
+            # before getexif, which may read a PNG's pixels and drop its tiles
             raw_modes = [tile.args if isinstance(tile.args, str) else tile.args[0] for tile in image.tile]
             eight_bit = not image.mode.startswith(("I", "F")) and not any(";16" in mode for mode in raw_modes)
+            if exif_orientation(image) >= 5:  # stored on its side: read_image turns it upright
+                width, height = height, width
     except (OSError, ValueError, IndexError, Image.DecompressionBombError):
         return None
     return height, width, eight_bit

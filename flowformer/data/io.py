@@ -263,7 +263,10 @@ _ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
 
 
 def exif_orientation(image: Image.Image) -> int:
-    """The EXIF orientation of an opened image (1, as stored, when it has none or an unknown value)."""
+    """The EXIF orientation of an opened image (1, as stored, when it has none or an unknown value). A PNG's
+    is read from an eXIf chunk before its pixels (PIL's getexif would decode them all to look behind them)."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
     orientation = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
     return orientation if orientation in _ORIENT else 1
 
