@@ -717,10 +717,16 @@ class Pipeline:
 
 def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
     """Where this job's pipeline runs: its own run directory, or the one pipeline.resume names (in a
-    multirun, the job's namesake inside the sweep directory it names) with the record found there."""
+    multirun, the job's namesake inside the sweep directory it names) with the record found there. A command
+    run again in its own run directory, which holds its record (a requeued SLURM job in `slurm-<job>.<step>`,
+    torchrun with the same --rdzv-id), continues it as pipeline.resume would."""
     resume = cfg.pipeline.get("resume")
+    own = Path(cfg.paths.output_dir).resolve()
+    if not resume and (own / RECORD).is_file():
+        log.info("pipeline: %s holds this pipeline's record: continuing it (a job run again)", own)
+        resume = str(own)
     if not resume:
-        return Path(cfg.paths.output_dir).resolve(), None
+        return own, None
     folder = Path(resume).resolve()
     if in_multirun() and not (folder / RECORD).is_file():
         folder = folder / Path(HydraConfig.get().runtime.output_dir).name

@@ -198,12 +198,18 @@ def requeue_record(cfg: DictConfig) -> Path | None:
     return Path(cfg.paths.log_dir) / "requeue" / f"slurm-{job}{f'.{step}' if step else ''}-{digest}.txt"
 
 
+def pipeline_stage(cfg: DictConfig) -> bool:
+    """Whether `cfg` is a stage of a pipeline (task=pipeline gives each `callbacks.stage_result`): its pipeline
+    resumes it from pipeline.json when the job runs again; the stages of one job would share one record here."""
+    return bool((cfg.get("callbacks") or {}).get("stage_result"))
+
+
 def resume_requeued_job(cfg: DictConfig) -> None:
     """In a requeued SLURM job (SLURM_RESTART_COUNT >= 1) without ckpt_path: ckpt_path becomes the newest
     checkpoint the job's previous run recorded, when one exists."""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     record = requeue_record(cfg)
-    if restarts < 1 or cfg.get("ckpt_path") or record is None or not record.is_file():
+    if restarts < 1 or cfg.get("ckpt_path") or pipeline_stage(cfg) or record is None or not record.is_file():
         return
     checkpoint = next((line for line in record.read_text().splitlines() if Path(line).is_file()), None)
     job = os.environ["SLURM_JOB_ID"]
@@ -225,7 +231,7 @@ def record_for_requeue(cfg: DictConfig) -> None:
     stopped before it writes one, the checkpoint it resumed from."""
     record = requeue_record(cfg)
     last_cfg = (cfg.get("callbacks") or {}).get("last_checkpoint")
-    if record is None or last_cfg is None:
+    if record is None or last_cfg is None or pipeline_stage(cfg):
         return
     candidates = [Path(last_cfg.dirpath).resolve() / LAST_CHECKPOINT]
     if cfg.get("ckpt_path"):

@@ -102,10 +102,14 @@ def test_a_ddp_stage_killed_mid_way_resumes_with_pipeline_resume(tmp_path):
     assert "MEMBER: 2/2" in output
 
 
-def torchrun(checkout: Path, *args: str, new_session: bool = False) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node=2 run.py <args>` in `checkout`, to its end."""
+def torchrun(checkout: Path, *args: str, rdzv_id: str | None = None, new_session: bool = False):
+    """`torchrun --nproc-per-node=2 run.py <args>` on this machine (`--standalone`, or with `--rdzv-id`) in
+    `checkout`, to its end."""
+    rendezvous = ["--standalone"]
+    if rdzv_id is not None:
+        rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={rdzv_id}"]
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "run.py", *args],
+        [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node=2", "run.py", *args],
         cwd=checkout, env={**os.environ, "WANDB_MODE": "offline", **ENV}, capture_output=True, text=True, timeout=900,
         check=False, start_new_session=new_session,
     )
@@ -129,23 +133,24 @@ def test_a_pipeline_under_torchrun_is_owned_by_rank_0_and_trained_by_both(tmp_pa
     assert torch.load(run_dir / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
-def test_a_stage_killed_mid_way_under_torchrun_resumes_with_pipeline_resume(tmp_path):
+def test_a_job_killed_mid_way_and_run_again_continues_its_pipeline(tmp_path):
     """Both processes killed (SIGKILL) during step 2 of the last stage (torchrun, seeing a worker die, ends the
-    job); a new torchrun with pipeline.resume: rank 0 keeps the finished stage and both processes resume the
-    killed one from its last.ckpt."""
+    job), then the same command again, as a requeued SLURM job runs it: in the job's own run directory
+    (`torchrun-<rdzv id>`, `slurm-<job>.<step>`) it continues the pipeline there. Rank 0 keeps the finished
+    stage and both processes resume the killed one from its last.ckpt."""
     kill = f"+callbacks.kill={{_target_:helpers.faults.KillGroupOnceAtStep,step:1,marker:'{tmp_path / 'killed'}'}}"
     last_every_step = ["trainer.max_steps=3", "callbacks.last_checkpoint.every_n_train_steps=1", kill]
     checkout = checkout_with_protocol(tmp_path, "torchrun_killed", chairs=[], things=last_every_step)
     command = ("task=pipeline", "protocol=torchrun_killed", "trainer=ddp", "trainer.devices=2", *GLOO)
-    killed = torchrun(checkout, *command, new_session=True)
+    killed = torchrun(checkout, *command, rdzv_id="job7", new_session=True)
     assert killed.returncode != 0, (killed.stdout + killed.stderr)[-4000:]
-    [run_dir] = (checkout / "logs" / "pipeline" / "torchrun_killed" / "runs").iterdir()
+    run_dir = checkout / "logs" / "pipeline" / "torchrun_killed" / "runs" / "torchrun-job7"
     chairs, things = record(run_dir)["stages"]
     assert chairs["status"] == "done" and things["status"] != "done"
 
-    resumed = torchrun(checkout, *command, f"pipeline.resume={run_dir}")
-    output = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, output[-4000:]
+    again = torchrun(checkout, *command, rdzv_id="job7")
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-4000:]
     assert "pipeline: stage 1/2 chairs finished already" in output
     done = record(run_dir)
     assert done["status"] == "done" and done["stages"][1]["resumed_from"] == [
