@@ -5,7 +5,8 @@ and `srun python run.py ...` lines, and those behind an environment setting or `
 below. It is composed from a fresh checkout of its own, as that checkout's run.py composes it: Hydra's own
 entry (`_run_app`: the run mode, `-m` or a sweep file's `hydra.mode: MULTIRUN`, then the sweeper and the
 launcher), run.py's search path and task name, the checkout as the working directory and every job's
-callbacks; only the job's task is replaced by resolving its config. A sweep composes every job of its grid.
+callbacks; only the job's task is replaced by resolving its config. A sweep composes every job of its grid. A
+training job's batch of each process is derived too (a stage's global batch must divide over its processes).
 A command that no longer composes fails with the command and Hydra's error.
 
 The documented placeholders are replaced as PLACEHOLDERS says (composing reads no file, so the paths need not
@@ -29,6 +30,7 @@ from hydra._internal.utils import _run_app, create_automatic_config_search_path,
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from flowformer.tasks.batches import per_process_batch
 from flowformer.tasks.run_dirs import register_resolvers
 
 from helpers.configs import REPO_DIR
@@ -52,6 +54,7 @@ PLACEHOLDERS = {
     "<multirun dir>": "logs/pipeline/paper_agt_mlp_conv/multiruns/2026-01-01_00-00-00",
     "<sweep dir>": "logs/pipeline/paper_agt_mlp_conv/multiruns/2026-01-01_00-00-00",
     "<time>": "2026-01-01_00-00-00",
+    "<table>": "paper_agt_mlp_conv",  # one of the tables
     "$HOST": "localhost",
     "...": "",  # a part the text leaves out (`task=bench ...`, `[...]`): the command without it
 }
@@ -181,6 +184,12 @@ def test_documented_command_composes(command: Command, tmp_path, monkeypatch, ca
     except SystemExit:
         pytest.fail(f"{given_at(command)}: `{command}` does not compose:\n{capsys.readouterr().err[-3000:]}")
     assert jobs, f"{given_at(command)}: `{command}` composed no job"
+    for job in jobs:
+        if job["task"] in ("train", "pretrain"):  # the batch of each process is shared out before any work
+            try:
+                per_process_batch(OmegaConf.create(job))
+            except ValueError as refused:
+                pytest.fail(f"{given_at(command)}: `{command}` is refused: {refused}")
 
 
 def test_composing_is_what_run_py_composes(tmp_path, monkeypatch):
@@ -228,7 +237,7 @@ def test_every_documented_command_is_a_case():
     assert documents["python run.py task=train backbone=tiny data=synthetic trainer=cpu"] == ["README.md"]
     table = "python run.py -m task=pipeline protocol=paper_ablation sweep=paper_agt_mlp_conv"
     assert sorted(documents[table]) == ["README.md", "docs/ablations.md"]
-    assert "srun python run.py experiment=things trainer=ddp trainer.devices=8" in documents
+    assert "srun python run.py experiment=things trainer=ddp trainer.devices=8 data.batch_size=1" in documents
 
 
 def test_the_commands_are_read_as_written(tmp_path):
