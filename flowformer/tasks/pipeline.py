@@ -48,7 +48,9 @@ writes the record and evaluates (each evaluation in a process of its own, outsid
 of its own per stage keeps Lightning's launchers as they are (a stage is a plain training run); under torchrun
 and srun the processes exist already, and a new process group per stage on torchrun's store hangs.
 
-Each stage start is one line, `pipeline: stage i/N <name> ...`. A stage that fails stops the pipeline with one
+Before any work, every stage is composed and the plan logged (stages, steps, global batch, estimated GPU-hours:
+flowformer/tasks/pipeline_plan.py); a global batch that does not divide is refused there. Each stage start is one
+line, `pipeline: stage i/N <name> ...`. A stage that fails stops the pipeline with one
 line naming it (PipelineStageError); the finished stages and their record are kept.
 
 The record, `<run dir>/pipeline.json` (rewritten atomically at every change; task=report reads it)::
@@ -129,6 +131,7 @@ from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
+from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.preemption import STOP_SIGNALS, StoppedBySignal, stopping_at_once
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import in_multirun
@@ -467,6 +470,7 @@ class Pipeline:
         self.row = [substitutes.get(override, override) for override in written]  # what the runs take
         self.pretraining_only = {str(key) for key in cfg.pipeline.pretraining_only}
         self.configs: dict[str, DictConfig] = {}
+        self.composed: dict[tuple, tuple[DictConfig, list, list]] = {}
         earlier_stages = {entry["name"]: entry for entry in (earlier or {}).get("stages", [])}
         earlier_evaluations = {entry["label"]: entry for entry in (earlier or {}).get("evaluations", [])}
         self.record: dict[str, Any] = {
@@ -513,6 +517,14 @@ class Pipeline:
         """The config of `python run.py <shared it takes> <own> <row it takes> <handoff> <through>` writing to
         output_dir, the shared and row overrides routed by `takes`: (config, its overrides without the
         pass-through ones and `through`, the shared and row overrides it did not take)."""
+        key = (tuple(own), tuple(handoff), str(output_dir), tuple(through))
+        if key not in self.composed:  # the plan composed each stage first (`plan`)
+            self.composed[key] = self.compose_anew(own, handoff, output_dir, through)
+        return self.composed[key]
+
+    def compose_anew(
+        self, own: list[str], handoff: list[str], output_dir: Path, through: list[str]
+    ) -> tuple[DictConfig, list, list]:
         tail = [*handoff, *self.pass_through(output_dir), *through]
         groups = [override for override in self.shared if "." not in override_key(override)]
         probe = hydra.compose("config", overrides=[*groups, *own, *tail])
@@ -528,6 +540,7 @@ class Pipeline:
     def run(self) -> dict[str, Any]:
         """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json)."""
         ensure_writable_dir(self.run_dir, "the pipeline's run directory")
+        self.plan()
         checkpoint: Path | None = None
         try:
             for index, stage in enumerate(self.stages, 1):
@@ -541,16 +554,35 @@ class Pipeline:
         self.save()
         return self.record
 
+    def stage_inputs(self, stage: Stage, init_from: Path | None) -> tuple[list[str], list[str]]:
+        """A stage's overrides beside its own: the hand-off from the previous stage (model.init_from) and the
+        callback that writes its result."""
+        handoff = [] if init_from is None else [f"model.init_from={path_value(init_from)}"]
+        result = [
+            f"+callbacks.stage_result._target_={StageResult.__module__}.{StageResult.__qualname__}",
+            f"+callbacks.stage_result.path={path_value(self.run_dir / stage.name / STAGE_RESULT)}",
+        ]
+        return handoff, result
+
+    def plan(self) -> None:
+        """Composes every stage as it will run, each from the last.ckpt its previous stage writes, refuses a
+        global batch that does not divide, and logs the plan: stages, steps, batches, estimated GPU-hours
+        (flowformer/tasks/pipeline_plan.py)."""
+        plans, init_from = [], None
+        for stage in self.stages:
+            stage_dir = self.run_dir / stage.name
+            handoff, result = self.stage_inputs(stage, init_from)
+            stage_cfg, _, _ = self.compose(stage.overrides, handoff, stage_dir, result)
+            plans.append(stage_plan(stage.name, stage_cfg, self.cfg.pipeline.step_time))
+            init_from = stage_dir / "checkpoints" / "last.ckpt"
+        log_plan(self.run_dir, plans, list(self.evaluate))
+
     def run_stage(self, index: int, stage: Stage, init_from: Path | None) -> Path:
         """Stage `index` (from 1), started from `init_from`: skipped when it finished from that very checkpoint,
         resumed from its last.ckpt when it was interrupted, else run; returns its last.ckpt."""
         entry = self.record["stages"][index - 1]
         stage_dir = self.run_dir / stage.name
-        handoff = [] if init_from is None else [f"model.init_from={path_value(init_from)}"]
-        result = [
-            f"+callbacks.stage_result._target_={StageResult.__module__}.{StageResult.__qualname__}",
-            f"+callbacks.stage_result.path={path_value(stage_dir / STAGE_RESULT)}",
-        ]
+        handoff, result = self.stage_inputs(stage, init_from)
         stage_cfg, overrides, dropped = self.compose(stage.overrides, handoff, stage_dir, result)
         self.configs[stage.name] = stage_cfg
         init_sha = None if init_from is None else file_sha256(init_from)
