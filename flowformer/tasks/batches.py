@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import hydra
-import lightning as L
 from omegaconf import DictConfig, ListConfig
 
 log = logging.getLogger(__name__)
@@ -81,8 +79,8 @@ def per_process_batch(cfg: DictConfig) -> int:
     return stage.size // share
 
 
-def training_datamodule(cfg: DictConfig) -> L.LightningDataModule:
-    """cfg.data's DataModule with the batch of each process (`per_process_batch`), which cfg.data.batch_size
-    then holds for the run's records."""
+def set_per_process_batch(cfg: DictConfig) -> None:
+    """cfg.data.batch_size := the batch of each process (`per_process_batch`), for the DataModule and the run's
+    records; the first thing a training run does, so that a global batch that does not divide is refused before
+    any work."""
     cfg.data.batch_size = per_process_batch(cfg)
-    return hydra.utils.instantiate(cfg.data)

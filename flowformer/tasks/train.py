@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
-from flowformer.tasks.batches import training_datamodule
+from flowformer.tasks.batches import set_per_process_batch
 from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network, device_memory_settings, training_device
@@ -22,9 +22,10 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer). A
     requeued SLURM job resumes from its previous run's checkpoint; a stop signal (SIGTERM, SIGUSR1) ends
     training after the step in progress, with last.ckpt at that step (StoppedBySignal)."""
+    set_per_process_batch(cfg)
     seed_run(cfg.seed)
     resume_requeued_job(cfg)
-    datamodule = training_datamodule(cfg)
+    datamodule = hydra.utils.instantiate(cfg.data)
     model = build_model(cfg)
     run = prepare_run(cfg, datamodule, model)
     record_for_requeue(cfg)

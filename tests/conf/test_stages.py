@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowformer.data.io import write_flo, write_kitti_flow
 from flowformer.lit.flow import FlowModule
-from flowformer.tasks.batches import per_process_batch, training_datamodule
+from flowformer.tasks.batches import per_process_batch, set_per_process_batch
 
 from helpers.compose import compose_run_config
 from helpers.configs import CONF_DIR
@@ -110,6 +110,12 @@ def test_stage_augmentation_matches_official() -> None:
 def _write_image(path: Path, rng: np.random.Generator, size: tuple[int, int]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     cv2.imwrite(str(path), rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def training_datamodule(cfg: DictConfig):
+    """The DataModule a training run builds: the batch of each process set first, as fit does."""
+    set_per_process_batch(cfg)
+    return hydra.utils.instantiate(cfg.data)
 
 
 def _sizes(datamodule) -> dict:

@@ -218,7 +218,8 @@ def test_runs_and_sweeps_claim_fresh_directories():
     hydra_cfg = compose_run_config([]).hydra
     run, sweep = OmegaConf.to_container(hydra_cfg.run), OmegaConf.to_container(hydra_cfg.sweep)
     assert run["dir"].startswith("${fresh_dir:") and sweep["dir"].startswith("${fresh_dir:")
-    assert sweep["subdir"].startswith("${hydra.job.num}_")  # each job of a sweep: its own numbered folder
+    # each job of a sweep: its own numbered folder, one plain name (flowformer/tasks/run_dirs.py, job_folder)
+    assert sweep["subdir"] == "${job_folder:${hydra.job.num},${hydra.job.override_dirname}}"
 
 
 def test_two_runs_started_together_get_two_intact_directories(tmp_path):
