@@ -236,7 +236,7 @@ def test_every_documented_command_is_a_case():
         documents.setdefault(text, []).append(where.split(":")[0])
     assert documents["python run.py task=train backbone=tiny data=synthetic trainer=cpu"] == ["README.md"]
     table = "python run.py -m task=pipeline protocol=paper_ablation sweep=paper_agt_mlp_conv"
-    assert sorted(documents[table]) == ["README.md", "docs/ablations.md"]
+    assert sorted(documents[table]) == ["README.md", "docs/ablations.md", "docs/performance.md"]
     assert "srun python run.py experiment=things trainer=ddp trainer.devices=8 data.batch_size=1" in documents
 
 
