@@ -69,6 +69,19 @@ def check_finite(value: Tensor, what: str, step: int) -> None:
         )
 
 
+def check_training_size(image: Tensor) -> None:
+    """Training pairs `image` [B, 3, H, W] are a multiple of 8 on each side (the network works at 1/8
+    resolution); otherwise the one line names the data settings that make the crop."""
+    height, width = image.shape[-2:]
+    if height % 8 or width % 8:
+        fit = f"{height - height % 8 or 8}x{width - width % 8 or 8}"
+        raise ValueError(
+            f"training pairs are {height}x{width}, not a multiple of 8 on each side (the network works at 1/8 "
+            f"resolution): set the data config's training crop to a multiple of 8, e.g. {fit} (data.train.size "
+            "for rendered pairs, the augmentor's crop_size for a dataset, e.g. data.train.augmentor.crop_size)"
+        )
+
+
 def check_decoder_iterations(**settings: int) -> None:
     """Each `model.<setting>` given (train_iters, val_iters) is at least 1: the decoder refines at least once."""
     for setting, iters in settings.items():

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.eval.protocol import Protocol, validation_protocol
-from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite
+from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite, check_training_size
 from flowformer.lit.images import image_api, log_images
 from flowformer.losses import sequence_loss
 from flowformer.metrics import NothingScoredError
@@ -91,6 +91,7 @@ class FlowModule(BackboneModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         image1, image2 = batch["img1"], batch["img2"]
+        check_training_size(image1)
         if self.hparams.add_noise:
             image1, image2 = self._add_pixel_noise(image1, image2)
         output = self.backbone(image1, image2, iters=self.hparams.train_iters)

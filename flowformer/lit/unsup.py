@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite
+from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite, check_training_size
 from flowformer.unsupervised_loss import UnsupervisedLossSettings, unsupervised_loss
 
 
@@ -70,6 +70,7 @@ class UnsupervisedPretrainModule(BackboneModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         image1, image2 = batch["img1"], batch["img2"]
+        check_training_size(image1)
         loss, terms = self.pretrain_step(image1, image2)
         check_finite(loss.detach(), "unsupervised loss", self.global_step)
         batch_size = image1.shape[0]

@@ -102,7 +102,8 @@ def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     result = run_py("debug=tiny", "data.train.size=[60,90]", "trainer.max_steps=1", f"paths.log_dir={logs}",
                     expect_ok=False)
     assert result.returncode == 1
-    assert len(error_lines(result.stderr)) == 1 and "60x90 is not a multiple of 8" in result.stderr
+    assert len(error_lines(result.stderr)) == 1 and "training pairs are 60x90, not a multiple of 8" in result.stderr
+    assert "data.train.size" in result.stderr
     assert "Traceback" not in result.stderr
     assert list(logs.rglob("*")) == []
 
