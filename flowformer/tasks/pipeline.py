@@ -538,11 +538,12 @@ class Pipeline:
         return hydra.compose("config", overrides=[*overrides, *tail]), overrides, dropped
 
     def run(self) -> dict[str, Any]:
-        """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json)."""
-        ensure_writable_dir(self.run_dir, "the pipeline's run directory")
-        self.plan()
+        """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json). Under a
+        launcher the other processes are told the stages are over however they end (refused by the plan too)."""
         checkpoint: Path | None = None
         try:
+            ensure_writable_dir(self.run_dir, "the pipeline's run directory")
+            self.plan()
             for index, stage in enumerate(self.stages, 1):
                 checkpoint = self.run_stage(index, stage, checkpoint)
         finally:
@@ -838,5 +839,11 @@ def run(cfg: DictConfig) -> float | None:
         if environment.global_rank() != 0:
             follow()
             return None
-    run_dir, earlier = pipeline_dir(cfg)
-    return Pipeline(cfg, run_dir, read_stages(cfg.pipeline), earlier, environment is not None).run()["metric"]
+    try:
+        run_dir, earlier = pipeline_dir(cfg)
+        pipeline = Pipeline(cfg, run_dir, read_stages(cfg.pipeline), earlier, environment is not None)
+    except Exception:
+        if environment is not None:  # this job ends before its stages: the others' too, in step for the next job
+            send_to_followers(None)
+        raise
+    return pipeline.run()["metric"]

@@ -5,6 +5,7 @@ resumes with pipeline.resume. Two gloo processes on the CPU stand for two GPUs."
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,16 +31,18 @@ pipeline:
     trainer.log_every_n_steps=1, trainer.enable_progress_bar=false, callbacks.progress_bar=null, data.batch_size=2,
     data.val_batch_size=2, data.val.synthetic.dataset.num_samples=2, model.train_iters=2, model.num_val_panels=0]
   stages: {stages}
-  evaluate:
-    plain: [eval=synthetic, eval.benchmarks.synthetic.iters=2, eval.max_samples=2]
+  evaluate: {evaluate}
 """
+# Its evaluation; a test of where the processes train leaves it out (`evaluate=False`): a process of its own.
+EVALUATE = "{plain: [eval=synthetic, eval.benchmarks.synthetic.iters=2, eval.max_samples=2]}"
 
 
-def checkout_with_protocol(tmp_path: Path, name: str, **stages: list[str]) -> Path:
-    """A fresh checkout whose conf/protocol/<name>.yaml trains `stages` on synthetic data."""
+def checkout_with_protocol(tmp_path: Path, name: str, evaluate: bool = True, **stages: list[str]) -> Path:
+    """A fresh checkout whose conf/protocol/<name>.yaml trains `stages` on synthetic data (then evaluates the
+    last one, unless not `evaluate`)."""
     checkout = fresh_checkout(tmp_path / "checkout")
     entries = [{"name": stage, "overrides": ["task=train", "model=flow", "data=synthetic", *own]} for stage, own in stages.items()]
-    text = PROTOCOL.format(name=name, stages=json.dumps(entries))
+    text = PROTOCOL.format(name=name, stages=json.dumps(entries), evaluate=EVALUATE if evaluate else "{}")
     (checkout / "conf" / "protocol" / f"{name}.yaml").write_text(text)
     return checkout
 
@@ -181,3 +184,129 @@ def test_a_table_through_hydras_submitit_launcher_runs_each_row_as_a_job(tmp_pat
         assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
         assert not [path for path in job.iterdir() if path.name.endswith(".interrupted")]
         assert torch.load(job / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def sweep_jobs(checkout: Path, name: str) -> tuple[Path, list[Path]]:
+    """The one sweep directory of `name`'s multirun in `checkout` and its jobs' run directories."""
+    [sweep] = (checkout / "logs" / "pipeline" / name / "multiruns").iterdir()
+    return sweep, sorted(path for path in sweep.iterdir() if path.is_dir() and not path.name.startswith("."))
+
+
+def test_a_table_under_torchrun_runs_each_row_once_in_one_sweep_directory(tmp_path):
+    """`torchrun --standalone --nproc-per-node=2 run.py -m task=pipeline ...`: every process runs Hydra's
+    multirun itself. They name one sweep directory after the torchrun job (not the start time, which may differ
+    by a second between them) and each row's folder in it; both train each row's stage there, and rank 0
+    alone writes each row's record."""
+    checkout = checkout_with_protocol(tmp_path, "torchrun_rows", evaluate=False, things=[])
+    result = torchrun(
+        checkout, "-m", "task=pipeline", "protocol=torchrun_rows", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    sweep, jobs = sweep_jobs(checkout, "torchrun_rows")
+    assert sweep.name.startswith("torchrun-") and len(jobs) == 2
+    for job, lr in zip(jobs, ("0.0002", "0.0001"), strict=True):
+        done = record(job)
+        assert f"model.optimizer.lr={lr}" in done["row"]
+        assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
+        assert sorted(path.name for path in job.iterdir() if path.is_dir()) == [".hydra", "things"]
+        assert f"pipeline: rank 1 trains {job / 'things'}" in (job / "run.log").read_text()
+        assert torch.load(job / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_a_row_refused_before_its_stages_under_torchrun_keeps_the_processes_in_step(tmp_path):
+    """A row whose plan is refused (its global batch does not divide) ends that row on every process: the
+    next row is trained by both in its own folder, and the table ends with the refused row named, not with the
+    other process waiting on a row rank 0 had left ('Connection closed by peer')."""
+    checkout = checkout_with_protocol(tmp_path, "torchrun_refused", evaluate=False, things=[])
+    result = torchrun(
+        checkout, "-m", "task=pipeline", "protocol=torchrun_refused", "trainer=ddp", "trainer.devices=2",
+        "trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=null",
+        "+global_batch={stage:things,size:2}", "trainer.accumulate_grad_batches=3,1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert "the things stage's global batch of 2 (global_batch.size) does not divide" in output
+    assert "Connection closed by peer" not in output
+    _, jobs = sweep_jobs(checkout, "torchrun_refused")
+    [trained] = [job for job in jobs if job.name.startswith("1_")]
+    assert record(trained)["status"] == "done"
+    assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_together(*processes: tuple[list[str], Path, dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """Each (command, working directory, environment added) started at once, as a cluster starts a job's
+    processes, each then run to its end."""
+    started = [
+        subprocess.Popen(
+            command, cwd=cwd, env={**os.environ, "WANDB_MODE": "offline", **ENV, **env}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        for command, cwd, env in processes
+    ]
+    results = []
+    for process in started:
+        output, _ = process.communicate(timeout=900)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, output))
+    return results
+
+
+def test_a_pipeline_on_two_nodes_of_torchrun_is_owned_by_global_rank_0(tmp_path):
+    """docs/cluster.md's two-node torchrun command on one machine: two torchrun launchers (`--nnodes=2
+    --node-rank=0/1`, one process each) meeting at a c10d rendezvous, each started in a clone of its own.
+    The pipeline completes; the clone of global rank 0's node holds its folders and record, the other
+    clone's run directory only Hydra's files."""
+    clones = [checkout_with_protocol(tmp_path / f"node{node}", "two_nodes", evaluate=False, things=[]) for node in (0, 1)]
+    rendezvous = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=job5"]
+    command = ["task=pipeline", "protocol=two_nodes", "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", *GLOO]
+    results = run_together(*[
+        ([sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--node-rank={node}", "--nproc-per-node=1",
+          "run.py", *command], clone, {})
+        for node, clone in enumerate(clones)
+    ])
+    assert [result.returncode for result in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    run_dirs = [clone / "logs" / "pipeline" / "two_nodes" / "runs" / "torchrun-job5" for clone in clones]
+    [owner] = [run_dir for run_dir in run_dirs if (run_dir / "pipeline.json").is_file()]
+    [other] = [run_dir for run_dir in run_dirs if run_dir != owner]
+    done = record(owner)
+    assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
+    assert torch.load(owner / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert sorted(path.name for path in other.iterdir()) == [".hydra", "run.log"]
+    assert f"pipeline: rank 1 trains {owner / 'things'}" in (other / "run.log").read_text()
+
+
+def srun_task(rank: int, port: int) -> dict[str, str]:
+    """The environment `srun --ntasks=2` (one node, job 4242, step 0) gives task `rank`, as far as Lightning's
+    SLURMEnvironment and this code read it; MASTER_ADDR/MASTER_PORT as an sbatch script exports them."""
+    return {
+        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NAME": "table", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    }
+
+
+def test_a_pipeline_under_srun_runs_in_the_job_step_directory(tmp_path):
+    """docs/cluster.md's srun command as srun starts it: two processes of the same command, each with the
+    variables srun sets for its task (srun's environment on one machine, not a real SLURM cluster: no
+    scheduler, no sbatch). Lightning finds them as SLURM's; the pipeline completes in slurm-<job>.<step>
+    with one record, both processes training and rank 0 evaluating."""
+    checkout = checkout_with_protocol(tmp_path, "srun_tasks", things=[])
+    command = [sys.executable, "run.py", "task=pipeline", "protocol=srun_tasks", "trainer=ddp", "trainer.devices=2", *GLOO]
+    port = free_port()
+    results = run_together(*[(command, checkout, srun_task(rank, port)) for rank in (0, 1)])
+    assert [result.returncode for result in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    [run_dir] = (checkout / "logs" / "pipeline" / "srun_tasks" / "runs").iterdir()
+    assert run_dir.name == "slurm-4242.0"
+    done = record(run_dir)
+    assert done["status"] == "done" and done["metric"] is not None
+    assert [entry["status"] for entry in [*done["stages"], *done["evaluations"]]] == ["done", "done"]
+    assert sorted(path.name for path in run_dir.iterdir() if path.is_dir()) == [".hydra", "eval_plain", "things"]
+    assert f"pipeline: rank 1 trains {run_dir / 'things'}" in results[1].stdout
+    assert "pipeline: evaluation" not in results[1].stdout
