@@ -25,17 +25,21 @@ report is written for the other jobs, then the task exits with status 1).
 The paper's table is `report.table`, or the one named as the sweep of each job (`sweep=paper_pe` ->
 `conf/paper/paper_pe.yaml`, `sweep=mcva_masking` -> `conf/paper/mcva_masking.yaml`). A job is a row of it
 when every override that defines the row (not one of SETUP_KEYS, which only set a run up on its machine) is
-one of the job's (its command line and, in a pipeline, its row), with the same value (`0.5` = `0.50`); the
-job's overrides beyond its row are listed beside it, and the rows no job ran are listed as `missing`. The
-paper's columns come first: each the measured value (of a pipeline's evaluation the row or table names as `evaluation`, e.g.
-`tiled` for numbers the paper tiled, else its first), the row's published number and their difference
-(measured - published); then every other measured value; the parameter count beside the paper's.
+one of the job's (its command line and, in a pipeline, its row), with the same value (`0.5` = `0.50`). Rows
+defined by the same overrides are one job's, told apart by the evaluation each names (the tile table: one
+model, a row with and one without tiles): the job fills each of them, one report row apiece. The job's
+overrides beyond its row are listed beside it, and the rows no job ran are listed as `missing`. The paper's
+columns come first: each the measured value (of the pipeline evaluation the row names as `evaluation`, none
+when the job did not run it; else of the one the table names, e.g. `tiled` for numbers the paper tiled, else
+its first), the row's published number and their difference (measured - published); then every other
+measured value; the parameter count beside the paper's.
 
 Writes, into `report.output_dir` (default: the first of `report.runs`), `report.md` (the table's title and
-caption, then one row per job labelled with its row's label in the paper, else by the overrides that tell the
-jobs apart, under the paper's column headers), `report.csv` (the same, one column per value) and `report.png`
-(the paper's "AEPE vs. training-step curves": training loss and validation AEPE against the step, one panel
-per stage and set, one line per job, the jobs that did not finish named in the legend). These three are the
+caption, then one row per job and row it fills, labelled with the row's label in the paper, else by the
+overrides that tell the jobs apart, under the paper's column headers), `report.csv` (the same, one column per
+value) and `report.png` (the paper's "AEPE vs. training-step curves": training loss and validation AEPE
+against the step, one panel per stage and set, one line per job, the jobs that did not finish named in the
+legend). These three are the
 report's own and are rewritten at every report. With `logger=wandb` the table is also logged as a wandb Table,
 and the figure as an image, in a run of job type `report` grouped with the jobs (the table, else `name`).
 """
@@ -435,15 +439,30 @@ def is_setup(key: str) -> bool:
     return any(key == setup or key.startswith(f"{setup}.") for setup in SETUP_KEYS)
 
 
+def defining_overrides(paper_row: dict[str, Any]) -> dict[str, Any]:
+    """{key: value} of the overrides that define a paper row: its overrides but the SETUP_KEYS ones."""
+    values = override_values(list(paper_row["overrides"]))
+    return {key: value for key, value in values.items() if not is_setup(key)}
+
+
 def match_row(table: dict[str, Any], job: Job) -> dict[str, Any] | None:
-    """The row of `table` whose every override that defines it (not a SETUP_KEYS one) is one of the job's
-    (its command line, a pipeline's row)."""
+    """The first row of `table` whose every override that defines it is one of the job's (its command line, a
+    pipeline's row)."""
     values = override_values([*job.overrides, *job.row])
     for row in table["rows"].values():
-        wanted = override_values(list(row["overrides"]))
-        if all(key in values and values[key] == value for key, value in wanted.items() if not is_setup(key)):
+        if all(key in values and values[key] == value for key, value in defining_overrides(row).items()):
             return row
     return None
+
+
+def filled_rows(table: dict[str, Any] | None, job: Job) -> list[dict[str, Any]]:
+    """The rows of `table` the job fills: the row it matches and every other row defined by the same overrides,
+    which tell such rows apart by the evaluation they compare (the tile table's two rows are one model,
+    evaluated with and without tiles); [] without a table or a matching row."""
+    first = match_row(table, job) if table else None
+    if first is None:
+        return []
+    return [row for row in table["rows"].values() if defining_overrides(row) == defining_overrides(first)]
 
 
 def other_overrides(job: Job, paper_row: dict[str, Any]) -> list[str]:
@@ -485,12 +504,17 @@ def measured_columns(jobs: list[Job], metrics: Iterable[str]) -> list[str]:
     return sorted({column for job in jobs for column in job.results if column.rsplit("/", 1)[-1] in wanted})
 
 
-def compared_value(job: Job, evaluation: str | None, column: str) -> float | None:
-    """The job's value for a paper's column: of the pipeline evaluation the paper's row or table names
-    (`evaluation`) when the job ran it, else of its first evaluation; a run without evaluations' own value."""
-    label = evaluation
-    if label not in job.evaluations:
-        label = job.evaluations[0] if job.evaluations else None
+def compared_value(
+    job: Job, paper_row: dict[str, Any], table: dict[str, Any] | None, column: str
+) -> float | None:
+    """The job's value for a paper's column: of the pipeline evaluation the paper's row names (none when the
+    job did not run it: rows that name theirs differ by it), else of the one the table names when the job ran
+    it, else of its first evaluation; a run without evaluations' own value."""
+    label = paper_row.get("evaluation")
+    if label is None:
+        label = (table or {}).get("evaluation")
+        if label not in job.evaluations:
+            label = job.evaluations[0] if job.evaluations else None
     return job.results.get(column if label is None else f"{label}:{column}")
 
 
@@ -498,30 +522,38 @@ def difference(value: float | None, published: float | None) -> float | None:
     return None if value is None or published is None or math.isnan(value) else value - published
 
 
+def job_row(
+    job: Job, name: str, paper: dict[str, Any], table: dict[str, Any] | None, measured: list[str]
+) -> dict[str, Any]:
+    """The report's row of a job in one paper row (`paper`, {} for none): the paper's label (else the job's
+    name), name, status, each paper column's value / published / difference, every other measured value, the
+    overrides beyond its row, parameter counts (millions), training seconds, error."""
+    published = paper.get("published") or {}
+    row: dict[str, Any] = {"row": paper.get("label") or name, "job": name, "status": job.status}
+    compared = paper_columns(table)
+    for column in compared:
+        value = compared_value(job, paper, table, column)
+        row[column] = value
+        row[f"{column} paper"] = published.get(column)
+        row[f"{column} diff"] = difference(value, published.get(column))
+    row.update({column: job.results.get(column) for column in measured if column not in compared})
+    row["other_overrides"] = " ".join(other_overrides(job, paper))
+    row["params_m"] = None if job.parameters is None else job.parameters / 1e6
+    row["params_m paper"] = published.get(PARAMS_KEY)
+    row["train_s"] = job.train_s
+    row["error"] = job.error
+    return row
+
+
 def report_rows(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable[str]) -> list[dict]:
-    """One dict per job: its paper row's label (else its name), name, status, each paper column's value /
-    published / difference, every other measured value, the overrides beyond its row, parameter counts
-    (millions), training seconds, error; then one per row of the table no job ran, `missing`."""
+    """One dict per job and paper row it fills (job_row; a job of no row once), then one per row of the table
+    no job ran, `missing`."""
     names, compared, measured = job_names(jobs), paper_columns(table), measured_columns(jobs, metrics)
-    rows, matched = [], []
+    rows, matched = [], set()
     for job in jobs:
-        paper = (match_row(table, job) if table else None) or {}
-        matched.append(paper.get("label"))
-        published = paper.get("published") or {}
-        row: dict[str, Any] = {"row": paper.get("label") or names[job.name], "job": names[job.name]}
-        row["status"] = job.status
-        for column in compared:
-            value = compared_value(job, paper.get("evaluation") or (table or {}).get("evaluation"), column)
-            row[column] = value
-            row[f"{column} paper"] = published.get(column)
-            row[f"{column} diff"] = difference(value, published.get(column))
-        row.update({column: job.results.get(column) for column in measured if column not in compared})
-        row["other_overrides"] = " ".join(other_overrides(job, paper))
-        row["params_m"] = None if job.parameters is None else job.parameters / 1e6
-        row["params_m paper"] = published.get(PARAMS_KEY)
-        row["train_s"] = job.train_s
-        row["error"] = job.error
-        rows.append(row)
+        papers = filled_rows(table, job)
+        matched.update(paper["label"] for paper in papers)
+        rows += [job_row(job, names[job.name], paper, table, measured) for paper in papers or [{}]]
     for paper in (table or {}).get("rows", {}).values():
         if paper["label"] not in matched:
             published = paper.get("published") or {}
@@ -532,10 +564,9 @@ def report_rows(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable
     return rows
 
 
-def status_counts(rows: list[dict[str, Any]]) -> str:
-    """'2 done, 1 failed': how many jobs have each status, in the order the statuses first come."""
-    statuses = dict.fromkeys(row["status"] for row in rows)
-    return ", ".join(f"{sum(row['status'] == status for row in rows)} {status}" for status in statuses)
+def status_counts(statuses: list[str]) -> str:
+    """'2 done, 1 failed': how many of `statuses` are each, in the order the statuses first come."""
+    return ", ".join(f"{statuses.count(status)} {status}" for status in dict.fromkeys(statuses))
 
 
 def cell(value: float | None, published: float | None, diff: float | None) -> str:
@@ -558,11 +589,23 @@ def launched_count(runs: list[Path], jobs: list[Job]) -> int | None:
     return sum(found[index] if count is None else count for index, count in enumerate(counts))
 
 
-def found_line(found: int, rows: list[dict[str, Any]], launched: int | None) -> str:
-    """'2 jobs of the 3 launched: 1 done, 1 failed, 1 missing' (the statuses of the report's rows, the
-    table's rows no job ran among them; without the launched count where no sweep is reported)."""
+def found_line(jobs: list[Job], rows: list[dict[str, Any]], launched: int | None) -> str:
+    """'2 jobs of the 3 launched: 1 done, 1 failed, 1 missing' (the jobs' statuses, then the table's rows no
+    job ran; without the launched count where no sweep is reported)."""
     of = "" if launched is None else f" of the {launched} launched"
-    return f"{found} jobs{of}: {status_counts(rows)}"
+    statuses = [job.status for job in jobs] + [row["status"] for row in rows if row["status"] == "missing"]
+    return f"{len(jobs)} jobs{of}: {status_counts(statuses)}"
+
+
+def compared_line(table: dict[str, Any]) -> str:
+    """Which pipeline evaluation the paper's columns are compared with: each row's own, the table's, else the
+    first."""
+    default = table.get("evaluation", "first")
+    own = [f"{row['label']}: {row['evaluation']}" for row in table["rows"].values() if row.get("evaluation")]
+    if not own:
+        return f"Compared: a pipeline's {default} evaluation."
+    others = "" if len(own) == len(table["rows"]) else f"; the other rows: {default}"
+    return f"Compared, of a pipeline's evaluations: {'; '.join(own)}{others}."
 
 
 def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]], found: str) -> str:
@@ -571,9 +614,7 @@ def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]
     if table is not None:
         caption = table["caption"].strip()
         lines += [f"Paper: {table['title']} (conf/paper/{table['name']}.yaml). {caption}", ""]
-        evaluation = table.get("evaluation", "first")
-        training = table["training"]
-        lines += [f"The paper's training: {training}. Compared: a pipeline's {evaluation} evaluation.", ""]
+        lines += [f"The paper's training: {table['training']}. {compared_line(table)}", ""]
     lines += ["Each value: measured / the paper's (measured - paper's).", ""]
     columns = [key for key in rows[0] if key not in ROW_FIELDS and not key.endswith((" paper", " diff"))]
     headers = ["row", "job", "status", *(PAPER_COLUMNS.get(c, c) for c in columns)]
@@ -631,10 +672,15 @@ def draw_curves(jobs: list[Job], labels: list[str]) -> Any:
     return figure
 
 
-def curve_labels(rows: list[dict[str, Any]]) -> list[str]:
-    """Each job row's line label in the figure: its row, with the job's name when jobs share the row."""
-    shared = [row["row"] for row in rows]
-    return [row["row"] if shared.count(row["row"]) == 1 else f"{row['row']} [{row['job']}]" for row in rows]
+def curve_labels(jobs: list[Job], table: dict[str, Any] | None) -> list[str]:
+    """Each job's line label in the figure: the labels of the rows it fills (one model: 'w/ tile / w/o tile'),
+    else its name; with the job's name when jobs share the label."""
+    names = job_names(jobs)
+    labels = [" / ".join(row["label"] for row in filled_rows(table, job)) or names[job.name] for job in jobs]
+    return [
+        label if labels.count(label) == 1 else f"{label} [{names[job.name]}]"
+        for label, job in zip(labels, jobs, strict=True)
+    ]
 
 
 def write_figure(path: Path, figure: Any) -> None:
@@ -695,11 +741,11 @@ def run(cfg: DictConfig) -> None:
     explicit = bool(settings.get("table"))
     table = load_table(Path(settings.tables_dir or PAPER_TABLES_DIR), name, explicit) if name else None
     rows = report_rows(jobs, table, settings.metrics)
-    found = found_line(len(jobs), rows, launched_count(runs, jobs))
+    found = found_line(jobs, rows, launched_count(runs, jobs))
     title = f"Report of {', '.join(map(str, runs))}"
     atomic_write_text(output_dir / "report.md", markdown(title, table, rows, found))
     atomic_write_text(output_dir / "report.csv", csv_text(rows))
-    figure, curves = output_dir / "report.png", draw_curves(jobs, curve_labels(rows[: len(jobs)]))
+    figure, curves = output_dir / "report.png", draw_curves(jobs, curve_labels(jobs, table))
     if curves is None:
         log.warning("no job logged a training curve: no report.png")
         figure = None

@@ -13,6 +13,7 @@ import hydra
 import pytest
 import torch
 import yaml
+from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from flowformer.tasks.pipeline import first_epe, read_stages
@@ -43,8 +44,10 @@ def test_every_table_has_its_caption_and_rows_with_overrides_and_published_numbe
         table = read_table(name)
         assert table["title"] and table["caption"] and table["training"], name
         for row_name, row in table["rows"].items():
-            assert row["label"] and row["overrides"], (name, row_name)
-            assert override_values(list(row["overrides"])), (name, row_name)  # Hydra parses every override
+            # a row is made by its overrides, or is one evaluation of a job that fills several rows (paper_tile)
+            assert row["label"] and (row["overrides"] or row.get("evaluation")), (name, row_name)
+            parsed = override_values(list(row["overrides"]))  # Hydra parses every override
+            assert len(parsed) == len(row["overrides"]), (name, row_name)
             assert set(row["published"]) <= {*PAPER_COLUMNS, PARAMS_KEY}, (name, row_name)
 
 
@@ -71,7 +74,7 @@ def test_rows_the_paper_repeats_have_the_same_numbers():
         assert published(name, row) == mcva, (name, row)
 
 
-@pytest.mark.parametrize("sweep", PAPER_SWEEPS)
+@pytest.mark.parametrize("sweep", [sweep for sweep in PAPER_SWEEPS if sweep != "paper_tile"])
 def test_a_paper_sweep_runs_one_pipeline_per_row_of_its_table(sweep):
     rows = read_table(sweep)["rows"]
     cfg = compose_run_config(["task=pipeline", "protocol=smoke", f"sweep={sweep}"])
@@ -80,6 +83,18 @@ def test_a_paper_sweep_runs_one_pipeline_per_row_of_its_table(sweep):
     for row_name, row in rows.items():
         cfg.pipeline.paper_row = row_name  # what the sweeper sets for the job of this row
         assert OmegaConf.to_container(cfg.pipeline.row, resolve=True) == row["overrides"]
+
+
+def test_the_tile_table_is_one_pipeline_evaluated_as_each_row_compares():
+    """Its two rows are one C+T model evaluated with and without tiles: sweep=paper_tile is a multirun of one
+    job (no swept values), whose protocol runs the evaluation each row names."""
+    rows = read_table("paper_tile")["rows"].values()
+    assert [row["evaluation"] for row in rows] == ["tiled", "plain"]
+    for protocol in ["main_ct", "smoke"]:
+        cfg = compose_run_config(["task=pipeline", f"protocol={protocol}", "sweep=paper_tile"])
+        assert cfg.hydra.mode == RunMode.MULTIRUN and not cfg.hydra.sweeper.params, protocol
+        evaluate = OmegaConf.to_container(cfg.pipeline.evaluate)
+        assert "eval.tile=true" in evaluate["tiled"] and "eval.tile=true" not in evaluate["plain"], protocol
 
 
 @pytest.mark.parametrize("table", [name for name in TABLES if name.startswith("mcva_")])
@@ -186,7 +201,7 @@ def test_the_smoke_command_of_a_table_trains_every_row_through_its_protocol(swee
         assert run_py_in_this_process(*command, cwd=root) == 0
     [sweep_dir] = (root / "logs" / "pipeline").glob("*/multiruns/*")
     records = [json.loads(path.read_text()) for path in sorted(sweep_dir.glob("*/pipeline.json"))]
-    params = compose_run_config(command[1:]).hydra.sweeper.params
+    params = compose_run_config(command[1:]).hydra.sweeper.params or {}  # none: one job (paper_tile)
     assert len(records) == math.prod(len(str(values).split(",")) for values in params.values())
     assert all(record["status"] == "done" for record in records)
     pretrains = table_protocol(sweep) == "mcva_ablation"
@@ -198,5 +213,5 @@ def test_the_smoke_command_of_a_table_trains_every_row_through_its_protocol(swee
             assert ["backbone.decoder_query=pe" in stage["overrides"] for stage in record["stages"]] == [True, False, False]
     assert len({job_results(record) for record in records}) == len(records)  # every row its own results
     if sweep in PAPER_SWEEPS:  # each job's record has its row's overrides as written: task=report's match
-        rows = [row["overrides"] for row in read_table(sweep)["rows"].values()]
-        assert sorted(record["row"] for record in records) == sorted(rows)
+        rows = {tuple(row["overrides"]) for row in read_table(sweep)["rows"].values()}  # paper_tile's are one
+        assert sorted(record["row"] for record in records) == sorted(map(list, rows))

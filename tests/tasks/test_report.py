@@ -1,6 +1,7 @@
-"""task=report: a table's rows trained by one multirun of the smoke protocol come out as one report row per job,
-with the measured values, the paper's numbers of the job's row and their difference, the parameter count and
-training time, and the failed job listed as failed; jobs are matched to the paper's rows by their overrides."""
+"""task=report: the tile table trained by its smoke command, one job, comes out as the paper's two rows, each
+with the measured values of the evaluation it names, the paper's numbers and their difference, the parameter
+count and training time; a failed or running job is so in both rows; jobs are matched to the paper's rows by
+their overrides."""
 
 import csv
 import json
@@ -13,86 +14,121 @@ from flowformer.tasks import report
 
 from helpers.compose import compose_tiny_config
 from helpers.configs import CONF_DIR
-from helpers.run import run_py
+from helpers.run import fresh_checkout, run_py
 
 
 def report_config(runs, *overrides):
     return compose_tiny_config("task=report", f"report.runs={runs}", *overrides)
 
 
+TILE_ROWS = ["FlowFormer, w/ tile", "FlowFormer, w/o tile"]  # conf/paper/paper_tile.yaml's labels, in order
+
+
 @pytest.fixture(scope="module")
 def table_run(tmp_path_factory):
-    """`python run.py -m task=pipeline protocol=smoke sweep=paper_tile` with a third job naming no row of the
-    table (it fails before training), then task=report on its directory."""
-    sweep = tmp_path_factory.mktemp("sweep")
-    result = run_py(
-        "-m",
-        "task=pipeline",
-        "protocol=smoke",
-        "sweep=paper_tile",
-        "pipeline.paper_row=tile,no_tile,no_such_row",
-        f"hydra.sweep.dir={sweep}",
-        expect_ok=False,
-    )
+    """The README's smoke command of the tile table, `python run.py -m task=pipeline protocol=smoke
+    sweep=paper_tile`, in a fresh checkout, then the same with a row override that fails its training
+    (backbone.agt_depth=-1), then task=report on both multiruns: (the two multirun directories, the report's
+    rows as (row, job) -> row)."""
+    checkout = fresh_checkout(tmp_path_factory.mktemp("checkout"))
+    command = ["-m", "task=pipeline", "protocol=smoke", "sweep=paper_tile"]
+    run_py(*command, cwd=checkout, env={"OMP_NUM_THREADS": "1"})
+    result = run_py(*command, "backbone.agt_depth=-1", cwd=checkout, expect_ok=False)
     assert result.returncode == 1, result.stderr[-3000:]  # the sweep names its failed job
-    report.run(report_config(sweep))
-    with (sweep / "report.csv").open(newline="") as file:
-        rows = {row["job"]: row for row in csv.DictReader(file)}
-    return sweep, rows
+    done, failed = sorted((checkout / "logs" / "pipeline" / "paper_tile" / "multiruns").iterdir())
+    report.run(report_config(f"[{done},{failed}]"))
+    with (done / "report.csv").open(newline="") as file:
+        rows = {(row["row"], row["job"]): row for row in csv.DictReader(file)}
+    return done, failed, rows
 
 
-def test_each_job_is_a_row_beside_its_papers_numbers(table_run):
-    sweep, rows = table_run
+def test_the_tile_tables_command_trains_one_pipeline_evaluated_with_and_without_tiles(table_run):
+    done, _, _ = table_run
+    [job] = report.job_directories(done)
+    record = json.loads((job / "pipeline.json").read_text())
+    assert record["status"] == "done"
+    assert [stage["name"] for stage in record["stages"]] == ["chairs", "things"]  # trained once
+    assert [(evaluation["label"], evaluation["status"]) for evaluation in record["evaluations"]] == [
+        ("plain", "done"),
+        ("tiled", "done"),
+    ]
+    assert report.launched_jobs(done) == 1
+
+
+def test_the_one_job_fills_both_rows_beside_the_papers_numbers(table_run):
+    done, _, rows = table_run
     published = yaml.safe_load((CONF_DIR / "paper" / "paper_tile.yaml").read_text())["rows"]
     assert published["tile"]["published"]["sintel_clean/epe"] == 0.94  # the paper's FlowFormer, tiled
-    assert list(rows) == ["pipeline.paper_row=tile", "pipeline.paper_row=no_tile", "pipeline.paper_row=no_such_row"]
-    for job, name in enumerate(["tile", "no_tile"]):
-        row = rows[f"pipeline.paper_row={name}"]
-        folder = sweep / f"{job}_pipeline.paper_row={name}"
-        assert row["status"] == "done" and row["row"] == published[name]["label"]
+    [folder] = report.job_directories(done)
+    record = json.loads((folder / "pipeline.json").read_text())
+    plain = json.loads((folder / "eval_plain" / "eval_results.json").read_text())["results"]
+    tiled = json.loads((folder / "eval_tiled" / "eval_results.json").read_text())["results"]
+    for label, name in zip(TILE_ROWS, ["tile", "no_tile"], strict=True):
+        row = rows[(label, folder.name)]  # named by its folder: its overrides are every job's but one
+        assert row["status"] == "done" and row["other_overrides"] == ""
         for column, number in published[name]["published"].items():
             assert float(row[f"{column} paper"]) == number
             assert row[column] == row[f"{column} diff"] == ""  # not measured: no Sintel in the smoke protocol
-        record = json.loads((folder / "pipeline.json").read_text())
-        plain = json.loads((folder / "eval_plain" / "eval_results.json").read_text())["results"]
-        tiled = json.loads((folder / "eval_tiled" / "eval_results.json").read_text())["results"]
         assert float(row["plain:synthetic/epe"]) == pytest.approx(plain["synthetic"]["epe"])
         assert float(row["tiled:synthetic/f1_all"]) == pytest.approx(tiled["synthetic"]["f1_all"])
         assert "plain:synthetic/epe paper" not in row  # no paper number for it
         last_stage = json.loads((folder / "things" / "run_info.json").read_text())
         assert float(row["params_m"]) == pytest.approx(last_stage["parameters"]["total"] / 1e6)
         assert float(row["train_s"]) == pytest.approx(sum(stage["wall_s"] for stage in record["stages"]))
+    text = (done / "report.md").read_text()
+    assert "FlowFormer with v.s. without tile" in text and "2 jobs of the 2 launched: 1 done, 1 failed" in text
+    assert f"Compared, of a pipeline's evaluations: {TILE_ROWS[0]}: tiled; {TILE_ROWS[1]}: plain." in text
+    assert (done / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_failed_job_is_listed_as_failed(table_run):
-    sweep, rows = table_run
-    failed = rows["pipeline.paper_row=no_such_row"]
-    assert failed["status"] == "failed" and "no_such_row" in failed["error"]
-    assert failed["row"] == "pipeline.paper_row=no_such_row" and failed["plain:synthetic/epe"] == ""
-    text = (sweep / "report.md").read_text()
-    assert "FlowFormer with v.s. without tile" in text and "2 done, 1 failed" in text
-    assert "| pipeline.paper_row=no_such_row | pipeline.paper_row=no_such_row | failed |" in text
-    assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_each_row_compares_the_evaluation_it_names(table_run, tmp_path):
+    """The tile table as written, its published numbers read as the synthetic pairs' EPE the smoke protocol
+    measures: the w/ tile row is the tiled evaluation's, the w/o tile row the plain one's, from one job."""
+    done, _, _ = table_run
+    table = yaml.safe_load((CONF_DIR / "paper" / "paper_tile.yaml").read_text())
+    for row in table["rows"].values():
+        row["published"] = {"synthetic/epe": row["published"]["sintel_clean/epe"]}
+    (tmp_path / "paper_tile.yaml").write_text(yaml.safe_dump(table, sort_keys=False))
+    report.run(report_config(done, f"report.tables_dir={tmp_path}", f"report.output_dir={tmp_path}"))
+    tile, no_tile = csv.DictReader((tmp_path / "report.csv").open(newline=""))
+    [folder] = report.job_directories(done)
+    for row, label, evaluation, published in zip([tile, no_tile], TILE_ROWS, ["tiled", "plain"], [0.94, 1.01]):
+        results = json.loads((folder / f"eval_{evaluation}" / "eval_results.json").read_text())["results"]
+        assert (row["row"], row["job"], row["status"]) == (label, folder.name, "done")
+        assert float(row["synthetic/epe"]) == pytest.approx(results["synthetic"]["epe"])
+        assert float(row["synthetic/epe diff"]) == pytest.approx(results["synthetic"]["epe"] - published)
+    assert tile["synthetic/epe"] != no_tile["synthetic/epe"]  # tiling changed the flow
 
 
-def test_a_job_still_running_is_listed_as_running(table_run, tmp_path):
+def test_a_failed_job_is_failed_in_both_rows(table_run):
+    done, _, rows = table_run
+    for label in TILE_ROWS:
+        row = rows[(label, "backbone.agt_depth=-1")]
+        assert row["status"] == "failed" and "backbone.agt_depth must be >= 0, got -1" in row["error"]
+        assert row["plain:synthetic/epe"] == "" and row["sintel_clean/epe paper"] != ""
+    text = (done / "report.md").read_text()
+    assert f"| {TILE_ROWS[1]} | backbone.agt_depth=-1 | failed |" in text
+    assert f"- {TILE_ROWS[0]}: error (PipelineStageError): pipeline stage 1/2 chairs failed" in text
+
+
+def test_a_job_still_running_is_running_in_both_rows(table_run, tmp_path):
     """A pipeline in its last stage: pipeline.json as the pipeline writes it then (that stage running, the
     evaluations pending)."""
-    sweep, _ = table_run
-    running = tmp_path / "0_pipeline.paper_row=tile"
-    shutil.copytree(sweep / running.name, running)
+    done, _, _ = table_run
+    [folder] = report.job_directories(done)
+    running = tmp_path / folder.name
+    shutil.copytree(folder, running)
     record = json.loads((running / "pipeline.json").read_text())
     record["status"] = record["stages"][-1]["status"] = "running"
     for evaluation in record["evaluations"]:
         evaluation.update(status="pending", results_json=None)
     (running / "pipeline.json").write_text(json.dumps(record))
     report.run(report_config(tmp_path))
-    row, missing = csv.DictReader((tmp_path / "report.csv").open(newline=""))
-    assert row["status"] == "running" and row["row"] == "FlowFormer, w/ tile"
-    assert row["sintel_clean/epe"] == "" and row["sintel_clean/epe paper"] == "0.94"  # nothing measured yet
-    assert (missing["row"], missing["status"]) == ("FlowFormer, w/o tile", "missing")  # the row no job ran
-    assert missing["sintel_clean/epe paper"] == "1.01"
-    assert "1 jobs: 1 running, 1 missing" in (tmp_path / "report.md").read_text()
+    rows = list(csv.DictReader((tmp_path / "report.csv").open(newline="")))
+    assert [(row["row"], row["status"]) for row in rows] == [(label, "running") for label in TILE_ROWS]
+    assert [row["sintel_clean/epe"] for row in rows] == ["", ""]  # nothing measured yet
+    assert [row["sintel_clean/epe paper"] for row in rows] == ["0.94", "1.01"]
+    assert "1 jobs: 1 running" in (tmp_path / "report.md").read_text()
 
 
 def test_a_job_is_the_row_whose_overrides_it_has():

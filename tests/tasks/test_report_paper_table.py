@@ -95,9 +95,7 @@ def test_the_figure_is_the_training_curves_of_every_row_failed_ones_named(runs):
     _, sweep, run, tables = runs
     jobs = [*report.read_jobs(sweep), *report.read_jobs(run)]
     table = report.load_table(tables, "agt", explicit=True)
-    figure = report.draw_curves(
-        jobs, report.curve_labels(report.report_rows(jobs, table, ["epe"])[: len(jobs)])
-    )
+    figure = report.draw_curves(jobs, report.curve_labels(jobs, table))
     axes = {axis.get_title(): axis for axis in figure.axes}
     assert sorted(axes) == ["training loss", "validation AEPE, synthetic"]
     for axis in axes.values():
