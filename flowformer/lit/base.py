@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.parsing import collect_init_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 
+from flowformer.device_settings import optimizer_device_settings
 from flowformer.models.checkpoint import BackboneTargetError, backbone_builder, read_checkpoint
 
 # The official loops build OneCycleLR(total_steps=num_steps + 100): the schedule outlasts the run by 100.
@@ -283,9 +284,9 @@ class BackboneModule(L.LightningModule):
         return [p for p in self.backbone.parameters() if p.requires_grad]
 
     def configure_optimizers(self) -> dict:
-        optimizer = instantiate_partial(self.hparams.optimizer, "model.optimizer")(
-            self.trainable_parameters()
-        )
+        parameters = self.trainable_parameters()
+        on_device = optimizer_device_settings(self.hparams.optimizer, parameters[0].device.type, "model.optimizer")
+        optimizer = instantiate_partial(self.hparams.optimizer, "model.optimizer", **on_device)(parameters)
         schedule = instantiate_partial(self.hparams.scheduler, "model.scheduler", **self._schedule_length())
         return {
             "optimizer": optimizer,

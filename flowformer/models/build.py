@@ -57,10 +57,11 @@ KNOB_MINIMUMS = {
 # each CNN stage); the cost maps' patchify + latent summary; the AGT layers (each, or each row block of a bounded
 # plan); each decoder iteration (and each MCVA query round: the decoder's cost query and the reconstruction head).
 ACTIVATION_CHECKPOINT_STAGES = ("image_encoders", "tokenize", "cost_layers", "decoder")
-# backbone.tokenize_chunk: a number of cost maps patchified at a time, null (all at once, the official
-# computation) or "auto": the tasks choose from the device they run on (flowformer/tasks/runtime.py,
-# `device_memory_settings`); a network built without a device in view takes the bounded path, as on a CPU.
-AUTO_TOKENIZE_CHUNK = "auto"
+# backbone.tokenize_chunk and backbone.memory_budget_gb: a value, null (the official computation) or AUTO, which
+# the tasks replace by their choice for the device they run on (flowformer/tasks/runtime.py,
+# `device_memory_settings`). A network built without a device in view takes, for tokenize_chunk, the bounded
+# path, as on a CPU, and for memory_budget_gb the dense computation.
+AUTO = "auto"
 BOUNDED_TOKENIZE_CHUNK = 512
 
 
@@ -104,14 +105,15 @@ class BackboneConfig:
     them, "standin" (a fixed initialisation standing in for them, encoders.STANDIN), or None (random).
     cost_encoder: a name in COST_ENCODERS; cost_heads, cost_patch_dim, num_latent_tokens (K), latent_dim (D),
     agt_depth, context_proj_dim (0: context-free AGT), tokenize_chunk (a memory option, same numbers;
-    AUTO_TOKENIZE_CHUNK: chosen by the tasks from the device, BOUNDED_TOKENIZE_CHUNK without one): its
+    AUTO: chosen by the tasks from the device, BOUNDED_TOKENIZE_CHUNK without one): its
     knobs; intra_layer (INTRA_LAYERS), inter_layer (INTER_LAYERS), token_pe, agt_pe: the AGT layer's halves and
     the positional codes of the tokens and of the AGT layers (the paper's architecture ablations).
     query_dim, decoder_query ("crop_and_pe" | "pe"): the decoder's cost query;
     recon_size, recon_head_depth: the FlowFormer++ reconstruction head (MCVA target window, MLP depth);
     decoder_dim: the recurrent decoder's width (GRU state, context input, motion features; official 128).
     decoder: "cmd" | "mcr" (DECODERS); decoder_gma: GMA's motion aggregation in either decoder's update block.
-    memory_budget_gb: bound the forward pass's memory (None: the dense, official computation).
+    memory_budget_gb: bound the forward pass's memory (None: the dense, official computation; AUTO: chosen by
+    the tasks from the device, dense without one).
     activation_checkpoint: stages in ACTIVATION_CHECKPOINT_STAGES whose activations training recomputes in
     backward instead of keeping (none: the official training).
     """
@@ -139,9 +141,9 @@ class BackboneConfig:
     recon_size: int = 15
     recon_head_depth: int = 3
     decoder_dim: int = 128
-    tokenize_chunk: int | str | None = AUTO_TOKENIZE_CHUNK
+    tokenize_chunk: int | str | None = AUTO
     activation_checkpoint: tuple[str, ...] = ()
-    memory_budget_gb: float | None = None
+    memory_budget_gb: float | str | None = AUTO
     # the decoder and its update block, the paper's architecture ablations (docs/ablations.md)
     decoder: str = "cmd"  # DECODERS: cost memory decoder | RAFT's multi-level cost retrieval (the baseline row)
     decoder_gma: bool = True  # GMA's global motion aggregation in the update block (official `gma`)
@@ -157,10 +159,15 @@ class BackboneConfig:
                 f"got the string {self.activation_checkpoint!r}"
             )
         object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
-        if isinstance(self.tokenize_chunk, str) and self.tokenize_chunk != AUTO_TOKENIZE_CHUNK:
+        if isinstance(self.tokenize_chunk, str) and self.tokenize_chunk != AUTO:
             raise ValueError(
-                f"backbone.tokenize_chunk must be a positive number of cost maps, null or {AUTO_TOKENIZE_CHUNK}, "
+                f"backbone.tokenize_chunk must be a positive number of cost maps, null or {AUTO}, "
                 f"got {self.tokenize_chunk!r}"
+            )
+        if isinstance(self.memory_budget_gb, str) and self.memory_budget_gb != AUTO:
+            raise ValueError(
+                f"backbone.memory_budget_gb must be a number of GB > 0, null (dense) or {AUTO}, "
+                f"got {self.memory_budget_gb!r}"
             )
         unknown = [stage for stage in self.activation_checkpoint if stage not in ACTIVATION_CHECKPOINT_STAGES]
         for knob, least in KNOB_MINIMUMS.items():
@@ -297,7 +304,7 @@ class BackboneConfig:
             inter_layer=self.inter_layer,
             agt_pe=self.agt_pe,
             tokenize_chunk=(
-                BOUNDED_TOKENIZE_CHUNK if self.tokenize_chunk == AUTO_TOKENIZE_CHUNK else self.tokenize_chunk
+                BOUNDED_TOKENIZE_CHUNK if self.tokenize_chunk == AUTO else self.tokenize_chunk
             ),
             checkpoint_tokenize="tokenize" in self.activation_checkpoint,
             checkpoint_layers="cost_layers" in self.activation_checkpoint,
@@ -341,7 +348,7 @@ class BackboneConfig:
             cost_encoder=cost_encoder,
             decoder=decoder,
             channel_convertor=convertor,
-            memory_budget_gb=self.memory_budget_gb,
+            memory_budget_gb=None if self.memory_budget_gb == AUTO else self.memory_budget_gb,
             config=self.stored(),
         )
 

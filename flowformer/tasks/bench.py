@@ -56,6 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flowformer.device_settings import device_memory_settings, optimizer_device_settings
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
@@ -64,7 +65,6 @@ from flowformer.tasks.runtime import (
     autocast_context,
     compile_network,
     configure_runtime,
-    device_memory_settings,
     load_network,
     pick_device,
 )
@@ -96,7 +96,7 @@ def build_step(
     if bench.mode == "pretrain":
         if not issubclass(hydra.utils.get_class(cfg.model._target_), MCVAPretrainModule):
             raise ValueError("bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)")
-        backbone = device_memory_settings(cfg.model.backbone, device)
+        backbone = device_memory_settings(cfg.model.backbone, device, training=True)
         module = hydra.utils.instantiate(cfg.model, backbone=backbone).to(device).train()
         net = module.backbone
 
@@ -104,7 +104,8 @@ def build_step(
             return module.pretrain_step(image1, image2).loss
 
     else:
-        net = hydra.utils.instantiate(device_memory_settings(cfg.backbone, device)).to(device).train()
+        backbone = device_memory_settings(cfg.backbone, device, training=True)
+        net = hydra.utils.instantiate(backbone).to(device).train()
         flow_gt = torch.randn(image1.shape[0], 2, *image1.shape[-2:], device=device) * 10  # [B,2,H,W]
         valid = torch.ones(image1.shape[0], *image1.shape[-2:], device=device)  # [B,H,W]
 
@@ -112,7 +113,10 @@ def build_step(
             predictions = net(image1, image2, iters=bench.iters)["flow_predictions"]
             return sequence_loss(predictions, flow_gt, valid)[0]
 
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-6)
+    optimizer_cfg = cfg.model.optimizer  # the model's optimiser at a tiny rate, its kernel chosen for the device
+    on_device = optimizer_device_settings(optimizer_cfg, device.type, "model.optimizer")
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    optimizer = hydra.utils.instantiate(optimizer_cfg, lr=1e-6, **on_device)(trainable)
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -386,7 +390,9 @@ def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
     own process, the backbone's memory settings chosen once for bench.device (and logged)."""
     check_settings(cfg)
     bench = cfg.bench
-    cfg = OmegaConf.merge(cfg, {"backbone": device_memory_settings(cfg.backbone, pick_device(bench.device))})
+    chosen = device_memory_settings(cfg.backbone, pick_device(bench.device), training=bench.mode != "forward")
+    cfg = OmegaConf.merge(cfg, {"backbone": chosen})
+    bench = cfg.bench  # bench.memory_budgets_gb's default, ${backbone.memory_budget_gb}, is now the chosen one
     recomputed_sets = [list(stages) for stages in bench.activation_checkpoints] if bench.mode != "forward" else [[]]
     rows = []
     for size, budget_gb, recomputed, precision in itertools.product(

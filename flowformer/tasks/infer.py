@@ -17,8 +17,9 @@ progress bar shows pairs per second. Prediction is task=eval's (`flowformer/eval
 `infer.warm_start=true` starts each pair's refinement from the previous pair's 1/8-resolution flow, projected
 forward along itself (`flowformer/eval/protocol.py`, `WarmStart`), as task=eval's `eval.warm_start` does.
 `infer.precision=auto` runs bf16 autocast on a GPU and fp32 on the CPU. Memory is bounded by default: with
-`backbone.memory_budget_gb` null, infer plans for half of the device's free memory (`memory_budget`), which
-keeps the dense computation whenever it fits; a number sets the budget.
+`backbone.memory_budget_gb` auto, infer plans for half of the device's free memory (flowformer/device_settings.py,
+`choose_memory_budget`), which keeps the dense computation whenever it fits; a number sets the budget, null
+keeps the dense computation.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
@@ -42,7 +43,6 @@ from flowformer.tasks.preemption import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
 from flowformer.tasks.runtime import (
     autocast_context,
-    available_memory_gb,
     compile_network,
     load_network,
     pair_progress,
@@ -109,16 +109,6 @@ def to_tensor(image: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(image).permute(2, 0, 1).float()[None].to(device)
 
 
-def memory_budget(backbone_cfg: DictConfig, device: torch.device) -> DictConfig:
-    """The backbone config with `memory_budget_gb` set: the configured one, or half of what `device` has free
-    now when it is null (the plan stays dense when that fits: same numbers, bounded when it would not)."""
-    if backbone_cfg.get("memory_budget_gb") is not None:
-        return backbone_cfg
-    budget = available_memory_gb(device) / 2
-    log.info("infer: backbone.memory_budget_gb=%.3g (half of the free %s memory; set it to choose)", budget, device)
-    return OmegaConf.merge(backbone_cfg, {"memory_budget_gb": budget})
-
-
 def output_paths(settings: DictConfig, output_dir: Path, name: str) -> tuple[Path, Path]:
     """Where the pair that starts at frame `name` goes: its flow (`<name>.flo`, or `<name>.png` in KITTI's
     format) and its colour picture (`<name>_flow.png`)."""
@@ -173,7 +163,7 @@ def prepare_network(cfg: DictConfig) -> tuple[torch.device, AbstractContextManag
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     autocast = autocast_context(device, precision, "infer.precision")
-    net = load_network(memory_budget(cfg.backbone, device), settings.checkpoint, device)
+    net = load_network(cfg.backbone, settings.checkpoint, device)
     compile_network(net, cfg.runtime)
     return device, autocast, net
 

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flowformer.device_settings import memory_settings
 from flowformer.lit.checkpointing import (
     RandomStates,
     SafeCheckpointIO,
@@ -72,7 +73,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     stored beside the checkpoints."""
     check_validation_interval(cfg.trainer.get("val_check_interval"))
     output_dir = check_output_dirs(cfg)
-    write_run_record(cfg, output_dir, parameter_counts(model))
+    write_run_record(cfg, output_dir, parameter_counts(model), memory_settings(model))
     warn_random_twins(cfg)
     monitor = set_monitor(cfg, datamodule)
     resume = checked_resume(cfg, datamodule, model) if cfg.get("ckpt_path") else None
@@ -182,9 +183,12 @@ def package_versions() -> dict[str, str | None]:
 
 
 @rank_zero_only
-def write_run_record(cfg: DictConfig, output_dir: Path, parameters: dict[str, Any]) -> None:
-    """<run dir>/config_resolved.yaml and <run dir>/run_info.json (git SHA, packages, command line, host and
-    the network's `parameters`: {total, trainable, by_part}, `runtime.parameter_counts`); logs the counts."""
+def write_run_record(
+    cfg: DictConfig, output_dir: Path, parameters: dict[str, Any], memory: dict[str, Any]
+) -> None:
+    """<run dir>/config_resolved.yaml and <run dir>/run_info.json (git SHA, packages, command line, host, the
+    network's `parameters`: {total, trainable, by_part}, `runtime.parameter_counts`, and the `memory` settings
+    it was built with, those chosen for the device included, `device_settings.memory_settings`); logs the counts."""
     output_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output_dir / "config_resolved.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = {
@@ -193,6 +197,7 @@ def write_run_record(cfg: DictConfig, output_dir: Path, parameters: dict[str, An
         "command": sys.argv,
         "host": platform.node(),
         "parameters": parameters,
+        "memory_settings": memory,
     }
     atomic_write_text(output_dir / "run_info.json", json.dumps(info, indent=2))
     log_parameter_counts(parameters)

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -29,8 +26,8 @@ from rich.progress import (
 from rich.text import Text
 from torch import nn
 
+from flowformer.device_settings import device_memory_settings
 from flowformer.models import FlowFormer
-from flowformer.models.build import AUTO_TOKENIZE_CHUNK, BOUNDED_TOKENIZE_CHUNK
 from flowformer.models.checkpoint import load_backbone_weights
 
 log = logging.getLogger(__name__)
@@ -57,74 +54,6 @@ def autocast_context(device: torch.device, precision: str, setting: str) -> Abst
     if precision not in PRECISION_DTYPES:
         raise ValueError(f"{setting}={precision!r}: expected one of 32-true, {', '.join(PRECISION_DTYPES)}")
     return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
-
-
-def available_memory_gb(device: torch.device) -> float:
-    """Memory free for new tensors now: the GPU's free memory, or the machine's MemAvailable on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2**30
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20  # kB
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-# backbone.tokenize_chunk=auto takes the fast path (every cost map patchified at once) on a GPU with at least this
-# many GiB free: the heaviest step measured on it (MCVA, batch 24, flowformer_pp: 37.4 GiB) peaks at the same
-# memory either way, since training keeps every chunk's activations; inference holds all of them at once
-# (440x1024: 2.55 GiB instead of 0.74). Below it, and on a CPU (where 512 is also the faster), the bounded path.
-FAST_PATH_FREE_GB = 32
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What the memory settings are chosen from: the device's kind (cuda, cpu, ...), its name and the memory free
-    on it now, in GiB."""
-
-    kind: str
-    name: str
-    free_gb: float
-
-
-def describe_device(device: torch.device) -> DeviceMemory:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return DeviceMemory(kind=device.type, name=name, free_gb=available_memory_gb(device))
-
-
-def choose_tokenize_chunk(device: DeviceMemory) -> tuple[int | None, str]:
-    """(backbone.tokenize_chunk for `device`, why): null (the fast path) on a GPU with FAST_PATH_FREE_GB free,
-    BOUNDED_TOKENIZE_CHUNK cost maps at a time elsewhere."""
-    if device.kind == "cuda" and device.free_gb >= FAST_PATH_FREE_GB:
-        return None, f"{device.name} has {device.free_gb:.1f} GiB free, at least {FAST_PATH_FREE_GB}: all at once"
-    if device.kind == "cuda":
-        return BOUNDED_TOKENIZE_CHUNK, (
-            f"{device.name} has {device.free_gb:.1f} GiB free, under {FAST_PATH_FREE_GB}: the bounded path"
-        )
-    return BOUNDED_TOKENIZE_CHUNK, f"on the {device.name}, the bounded path is also the faster"
-
-
-def device_memory_settings(backbone_cfg: DictConfig, device: torch.device) -> DictConfig:
-    """`backbone_cfg` with `tokenize_chunk: auto` replaced by the choice for `device` (`choose_tokenize_chunk`),
-    logged in one line; a number or null set by the user is kept."""
-    if backbone_cfg.get("tokenize_chunk") != AUTO_TOKENIZE_CHUNK:
-        return backbone_cfg
-    chunk, why = choose_tokenize_chunk(describe_device(device))
-    log.info(
-        "backbone.tokenize_chunk=auto -> %s (%s; set backbone.tokenize_chunk to choose)",
-        "null" if chunk is None else chunk,
-        why,
-    )
-    return OmegaConf.merge(backbone_cfg, {"tokenize_chunk": chunk})
-
-
-def training_device(trainer_cfg: DictConfig) -> torch.device:
-    """The device Lightning trains on, as far as the memory settings care: the GPU for trainer.accelerator gpu or
-    cuda (or auto with a GPU), the CPU otherwise."""
-    accelerator = trainer_cfg.get("accelerator", "auto")
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if on_gpu else "cpu")
 
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -198,7 +127,7 @@ def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch
     backbone.twins_weights says: with a checkpoint they are not read). Logs its parameter counts."""
     if checkpoint is not None:
         backbone_cfg = OmegaConf.merge(backbone_cfg, {"twins_weights": None})
-    net = hydra.utils.instantiate(device_memory_settings(backbone_cfg, device))
+    net = hydra.utils.instantiate(device_memory_settings(backbone_cfg, device, training=False))
     log_parameter_counts(parameter_counts(net))
     if checkpoint is not None:
         report = load_backbone_weights(net, str(checkpoint))

@@ -9,11 +9,12 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from flowformer.device_settings import device_memory_settings, training_device
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
 from flowformer.tasks.batches import set_per_process_batch
 from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
-from flowformer.tasks.runtime import compile_network, device_memory_settings, training_device
+from flowformer.tasks.runtime import compile_network
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
     backbone = cfg.model.backbone
     if cfg.get("ckpt_path") and backbone.get("twins_weights"):
         backbone = OmegaConf.merge(backbone, {"twins_weights": None})
-    overrides["backbone"] = device_memory_settings(backbone, training_device(cfg.trainer))
+    overrides["backbone"] = device_memory_settings(backbone, training_device(cfg.trainer), training=True)
     model = hydra.utils.instantiate(cfg.model, **overrides)
     compile_network(model.backbone, cfg.runtime)
     return model

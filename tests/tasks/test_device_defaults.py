@@ -1,37 +1,115 @@
-"""backbone.tokenize_chunk=auto (the default): chosen from the device the network runs on, in one place
-(flowformer/tasks/runtime.py) and said in one line: all cost maps at once on a GPU with room, 512 at a time on a
-CPU or a small GPU; a number or null set by the user is kept. The numbers are the same either way (the chunked
-tokenization tests: tests/models/test_network.py, test_agt_knobs.py; fixture A: test_parity.py)."""
+"""Settings chosen for the device (flowformer/device_settings.py): backbone.tokenize_chunk and
+backbone.memory_budget_gb `auto` (the defaults) and the optimiser's `fused: auto`, each chosen from the device the
+network runs on and said in one line; a number, null or true/false set by the user is kept. The device is read in
+one function, `describe_device`, which the tests replace to simulate a GPU. The numbers are the same whichever
+path the choice takes (also the chunked tokenization tests: tests/models/test_network.py, test_agt_knobs.py;
+fixture A: test_parity.py)."""
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from flowformer.models.build import BOUNDED_TOKENIZE_CHUNK
-from flowformer.tasks.runtime import (
+from flowformer import device_settings
+from flowformer.device_settings import (
     FAST_PATH_FREE_GB,
     DeviceMemory,
+    choose_fused_optimizer,
+    choose_memory_settings,
     choose_tokenize_chunk,
+    device_memory_settings,
     training_device,
 )
+from flowformer.models.build import BOUNDED_TOKENIZE_CHUNK
+from flowformer.tasks.runtime import load_network
 from flowformer.tasks.train import build_model
 
 from helpers.compose import compose_tiny_config
 from helpers.configs import build_backbone
 from helpers.run import fresh_checkout, run_py
 
+CPU = DeviceMemory(kind="cpu", name="cpu", free_gb=20.0)
+LARGE_GPU = DeviceMemory(kind="cuda", name="NVIDIA H200", free_gb=139.3)
+SMALL_GPU = DeviceMemory(kind="cuda", name="Tesla T4", free_gb=14.6)
+
+
+def values(choices: dict) -> dict:
+    return {setting: value for setting, (value, _) in choices.items()}
+
 
 def test_the_choice_for_a_cpu_a_large_gpu_and_a_small_gpu():
-    cpu = DeviceMemory(kind="cpu", name="cpu", free_gb=200.0)  # however much memory: the bounded path
-    large_gpu = DeviceMemory(kind="cuda", name="NVIDIA H200", free_gb=139.3)
-    small_gpu = DeviceMemory(kind="cuda", name="Tesla T4", free_gb=14.6)
-    assert choose_tokenize_chunk(cpu) == (512, "on the cpu, the bounded path is also the faster")
-    assert choose_tokenize_chunk(large_gpu) == (None, "NVIDIA H200 has 139.3 GiB free, at least 32: all at once")
-    assert choose_tokenize_chunk(small_gpu) == (512, "Tesla T4 has 14.6 GiB free, under 32: the bounded path")
+    assert choose_tokenize_chunk(CPU) == (512, "on the cpu, the bounded path is also the faster")
+    assert choose_tokenize_chunk(LARGE_GPU) == (None, "NVIDIA H200 has 139.3 GiB free, at least 32: all at once")
+    assert choose_tokenize_chunk(SMALL_GPU) == (512, "Tesla T4 has 14.6 GiB free, under 32: the bounded path")
     at_the_threshold = DeviceMemory(kind="cuda", name="GPU", free_gb=FAST_PATH_FREE_GB)
     assert choose_tokenize_chunk(at_the_threshold)[0] is None and BOUNDED_TOKENIZE_CHUNK == 512
+    # forward only (eval, infer): half of the free memory, against which the plan sizes each image
+    assert values(choose_memory_settings(CPU, training=False)) == {"tokenize_chunk": 512, "memory_budget_gb": 10.0}
+    large = values(choose_memory_settings(LARGE_GPU, training=False))
+    assert large == {"tokenize_chunk": None, "memory_budget_gb": 69.65}
+    small = values(choose_memory_settings(SMALL_GPU, training=False))
+    assert small == {"tokenize_chunk": 512, "memory_budget_gb": 7.3}
+    for device in (CPU, LARGE_GPU, SMALL_GPU):  # training keeps the dense computation
+        assert choose_memory_settings(device, training=True)["memory_budget_gb"] == (
+            None, "training keeps the dense computation"
+        )
+    assert choose_fused_optimizer("cuda") == (True, "torch has a fused kernel for cuda parameters")
+    assert choose_fused_optimizer("cpu") == (True, "torch has a fused kernel for cpu parameters")
+    assert choose_fused_optimizer("meta")[0] is None
+
+
+@pytest.fixture
+def simulated_device(monkeypatch):
+    """Makes `describe_device`, the one function that reads the device, report the DeviceMemory given."""
+
+    def simulate(described: DeviceMemory | None) -> None:
+        def describe(device: torch.device) -> DeviceMemory:
+            if described is None:
+                raise AssertionError(f"the device ({device}) was read although no setting says auto")
+            return described
+
+        monkeypatch.setattr(device_settings, "describe_device", describe)
+
+    return simulate
+
+
+def test_a_task_takes_the_choice_for_its_device_and_keeps_a_value_the_user_set(simulated_device, caplog):
+    backbone = compose_tiny_config().backbone
+    chosen = {}
+    for device in (CPU, LARGE_GPU, SMALL_GPU):
+        simulated_device(device)
+        with caplog.at_level(logging.INFO, logger="flowformer.device_settings"):
+            settings = device_memory_settings(backbone, torch.device(device.kind), training=False)
+        chosen[device.name] = (settings.tokenize_chunk, settings.memory_budget_gb)
+    assert chosen == {"cpu": (512, 10.0), "NVIDIA H200": (None, 69.65), "Tesla T4": (512, 7.3)}
+    assert (
+        "backbone.memory_budget_gb=auto -> 7.3 (50% of the 14.6 GiB free on the Tesla T4: dense wherever the "
+        "image's estimate fits; set backbone.memory_budget_gb to choose)"
+    ) in caplog.text
+    simulated_device(None)
+    user = OmegaConf.merge(backbone, {"tokenize_chunk": 64, "memory_budget_gb": None})
+    assert device_memory_settings(user, torch.device("cuda"), training=False) == user
+
+
+def test_the_numbers_are_the_same_whichever_path_the_choice_takes(simulated_device):
+    """On the CPU, the network chosen for a large GPU (every cost map at once, a budget that keeps the dense plan)
+    and for a GPU with almost no memory free (512 cost maps at a time, a budget that bounds the plan) give the
+    same flow."""
+    image1, image2 = torch.rand(2, 1, 3, 256, 256, generator=torch.Generator().manual_seed(0)) * 255
+    flows, plans = [], []
+    for device in (LARGE_GPU, DeviceMemory(kind="cuda", name="a full GPU", free_gb=0.002)):
+        simulated_device(device)
+        chosen = device_memory_settings(compose_tiny_config().backbone, torch.device("cuda"), training=False)
+        torch.manual_seed(0)
+        net = load_network(chosen, None, torch.device("cpu"))
+        plans.append(net.memory_plan(1, 32, 32).dense)
+        with torch.no_grad():
+            flows.append(net(image1, image2, iters=3)["flow"])
+    assert plans == [True, False]  # the dense computation, then the bounded one
+    torch.testing.assert_close(flows[1], flows[0], rtol=0, atol=1e-4)
 
 
 def test_bench_says_what_it_chose_for_the_cpu_and_keeps_a_value_the_user_set(tmp_path):
@@ -41,25 +119,63 @@ def test_bench_says_what_it_chose_for_the_cpu_and_keeps_a_value_the_user_set(tmp
     chosen = run_py(*common, "hydra.run.dir=chosen", cwd=checkout, timeout=600)
     said = "backbone.tokenize_chunk=auto -> 512 (on the cpu, the bounded path is also the faster; set"
     assert said in chosen.stdout + chosen.stderr
-    assert json.loads((checkout / "chosen" / "bench.json").read_text())["rows"][0]["tokenize_chunk"] == 512
-    kept = run_py(*common, "backbone.tokenize_chunk=null", "hydra.run.dir=kept", cwd=checkout, timeout=600)
-    assert "tokenize_chunk=auto" not in kept.stdout + kept.stderr
-    assert json.loads((checkout / "kept" / "bench.json").read_text())["rows"][0]["tokenize_chunk"] is None
+    assert "backbone.memory_budget_gb=auto -> " in chosen.stdout + chosen.stderr
+    [row] = json.loads((checkout / "chosen" / "bench.json").read_text())["rows"]
+    assert row["tokenize_chunk"] == 512 and row["memory_budget_gb"] > 0  # half of this machine's free memory
+    assert row["path"] == f"budget {row['memory_budget_gb']:g} GB"
+    user = ("backbone.tokenize_chunk=null", "backbone.memory_budget_gb=null", "hydra.run.dir=kept")
+    kept = run_py(*common, *user, cwd=checkout, timeout=600)
+    assert "=auto" not in kept.stdout + kept.stderr
+    [row] = json.loads((checkout / "kept" / "bench.json").read_text())["rows"]
+    assert row["tokenize_chunk"] is None and row["memory_budget_gb"] is None and row["path"] == "dense"
+
+
+def test_training_records_what_it_chose_in_run_info_and_keeps_what_the_user_set(tmp_path):
+    """A CPU training run (debug=tiny) chooses tokenize_chunk 512, the dense computation and the fused AdamW,
+    says so, records the memory settings in run_info.json and trains with that optimiser; the same command with
+    the user's values keeps them."""
+    checkout = fresh_checkout(tmp_path)
+    chosen = run_py("debug=tiny", "trainer.max_steps=1", "hydra.run.dir=chosen", cwd=checkout, timeout=600)
+    said = chosen.stdout + chosen.stderr
+    assert "backbone.memory_budget_gb=auto -> null (training keeps the dense computation; set" in said
+    assert "model.optimizer.fused=auto -> True (torch has a fused kernel for cpu parameters; set" in said
+    run_info = json.loads((checkout / "chosen" / "run_info.json").read_text())
+    assert run_info["memory_settings"] == {"tokenize_chunk": 512, "memory_budget_gb": None, "activation_checkpoint": []}
+    assert optimizer_settings(checkout / "chosen")["fused"] is True
+
+    user = ("backbone.tokenize_chunk=64", "backbone.memory_budget_gb=2", "model.optimizer.fused=null",
+            "backbone.activation_checkpoint=[decoder]", "hydra.run.dir=kept")
+    kept = run_py("debug=tiny", "trainer.max_steps=1", *user, cwd=checkout, timeout=600)
+    assert "=auto" not in kept.stdout + kept.stderr
+    run_info = json.loads((checkout / "kept" / "run_info.json").read_text())
+    recorded = {"tokenize_chunk": 64, "memory_budget_gb": 2, "activation_checkpoint": ["decoder"]}
+    assert run_info["memory_settings"] == recorded
+    assert optimizer_settings(checkout / "kept")["fused"] is None
+
+
+def optimizer_settings(run_dir: Path) -> dict:
+    """The settings of the optimiser a run trained with, from its last checkpoint (one parameter group)."""
+    [param_group] = torch.load(run_dir / "checkpoints" / "last.ckpt")["optimizer_states"][0]["param_groups"]
+    return param_group
 
 
 def test_training_builds_the_backbone_with_the_choice_for_the_trainer_device(caplog):
-    with caplog.at_level(logging.INFO, logger="flowformer.tasks.runtime"):
+    with caplog.at_level(logging.INFO, logger="flowformer.device_settings"):
         model = build_model(compose_tiny_config("trainer=cpu"))
     assert "backbone.tokenize_chunk=auto -> 512 (on the cpu" in caplog.text
     assert model.backbone.cost_encoder.tokenize_chunk == 512 and model.hparams.backbone["tokenize_chunk"] == 512
+    assert model.backbone.memory_budget_gb is None and model.hparams.backbone["memory_budget_gb"] is None
     kept = build_model(compose_tiny_config("trainer=cpu", "backbone.tokenize_chunk=7"))
     assert kept.backbone.cost_encoder.tokenize_chunk == 7
     assert training_device(compose_tiny_config("trainer=gpu").trainer) == torch.device("cuda")
     assert training_device(compose_tiny_config("trainer=cpu").trainer) == torch.device("cpu")
 
 
-def test_a_network_built_without_a_device_takes_the_bounded_path_and_a_wrong_word_is_refused():
-    net = build_backbone()  # conf/backbone/tiny.yaml as it is: tokenize_chunk auto
+def test_a_network_built_without_a_device_takes_the_bounded_tokenization_and_the_dense_plan():
+    net = build_backbone()  # conf/backbone/tiny.yaml as it is: tokenize_chunk and memory_budget_gb auto
     assert net.config["tokenize_chunk"] == "auto" and net.cost_encoder.tokenize_chunk == BOUNDED_TOKENIZE_CHUNK
-    with pytest.raises(ValueError, match="backbone.tokenize_chunk must be a positive number of cost maps, null or auto"):
+    assert net.config["memory_budget_gb"] == "auto" and net.memory_budget_gb is None
+    with pytest.raises(ValueError, match="backbone.tokenize_chunk must be a positive number of cost maps, null or"):
         build_backbone(tokenize_chunk="fast")
+    with pytest.raises(ValueError, match=r"backbone.memory_budget_gb must be a number of GB > 0, null \(dense\) or"):
+        build_backbone(memory_budget_gb="dense")

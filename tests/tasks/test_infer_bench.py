@@ -11,12 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
+from flowformer import device_settings
 from flowformer.data.io import read_flo, read_kitti_flow
+from flowformer.device_settings import DeviceMemory, available_memory_gb
 from flowformer.eval.protocol import forward_project
 from flowformer.models import save_backbone
 from flowformer.models.checkpoint import CheckpointMismatchError, export_official, load_backbone
 from flowformer.tasks import infer, run_task
-from flowformer.tasks.runtime import autocast_context, available_memory_gb, load_network
+from flowformer.tasks.runtime import autocast_context, load_network
 
 from helpers.compose import compose_run_config
 from helpers.compose import compose_tiny_config as config
@@ -207,15 +209,15 @@ def test_autocast_context_follows_the_precision_and_names_the_setting():
 
 
 def test_infer_bounds_memory_by_default(monkeypatch):
+    """infer's network (`load_network`) plans for half of the free memory (tiny.yaml: memory_budget_gb auto)."""
     assert available_memory_gb(CPU) > 0
-    monkeypatch.setattr(infer, "available_memory_gb", lambda device: 0.002)
-    backbone = infer.memory_budget(config().backbone, CPU)  # tiny.yaml: memory_budget_gb null
-    assert backbone.memory_budget_gb == 0.001  # half of what is free
+    monkeypatch.setattr(device_settings, "describe_device", lambda device: DeviceMemory("cpu", "cpu", 0.002))
     pair_at_one_eighth = (1, 32, 32)  # one 256x256 pair
-    assert not load_network(backbone, None, CPU).memory_plan(*pair_at_one_eighth).dense
-    assert load_network(config().backbone, None, CPU).memory_plan(*pair_at_one_eighth).dense  # null = dense
-    chosen = config("backbone.memory_budget_gb=3").backbone
-    assert infer.memory_budget(chosen, CPU).memory_budget_gb == 3
+    bounded = load_network(config().backbone, None, CPU)
+    assert bounded.memory_budget_gb == 0.001 and not bounded.memory_plan(*pair_at_one_eighth).dense
+    dense = load_network(config("backbone.memory_budget_gb=null").backbone, None, CPU)
+    assert dense.memory_budget_gb is None and dense.memory_plan(*pair_at_one_eighth).dense
+    assert load_network(config("backbone.memory_budget_gb=3").backbone, None, CPU).memory_budget_gb == 3
 
 
 def test_convert_is_a_task_like_the_others(tmp_path):
