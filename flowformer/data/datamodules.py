@@ -10,6 +10,9 @@ its datasets, roots and augmentation declaratively; the modules only add the Dat
 Training loaders shuffle and drop the last incomplete batch, as the official ``fetch_dataloader`` does;
 validation runs at batch 1 by default because validation images differ in size (the model pads them).
 
+The loaders' settings (``data.num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``) are
+resolved for the device the trainer runs on when a loader is made (``auto``: :mod:`flowformer.data.loader_settings`).
+
 Resuming is exact: the training loader draws from a :class:`~flowformer.data.sampling.ResumableSampler`
 seeded with the run seed, the module's ``state_dict`` (saved in every checkpoint) records the epoch and the
 batches of it already trained on, and a resumed run skips exactly those. Every loader has its own torch
@@ -18,6 +21,7 @@ Generator, so creating one does not advance the global random stream the model d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Mapping
@@ -25,8 +29,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from flowformer.data.loader_settings import LoaderSettings, check_loader_settings, resolve_loader_settings
 from flowformer.data.sampling import ResumableSampler
 
 __all__ = ["FlowDataModule", "PretrainDataModule"]
@@ -40,11 +45,19 @@ def _describe(dataset: Dataset) -> str:
     return describe() if callable(describe) else f"{type(dataset).__name__} ({len(dataset)} items)"
 
 
-def _check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
+def collate_pairs(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch of dataset items: every key stacked as ``default_collate`` does, but ``meta``, which stays the list
+    of the items' own dicts: the parts of a mix (the sintel stage's Sintel, KITTI, HD1K and Things items) carry
+    different meta keys, which ``default_collate`` cannot join."""
+    batch = default_collate([{key: value for key, value in item.items() if key != "meta"} for item in items])
+    if any("meta" in item for item in items):
+        batch["meta"] = [item.get("meta", {}) for item in items]
+    return batch
+
+
+def _check_batch_size(owner: str, batch_size: int) -> None:
     if batch_size < 1:
         raise ValueError(f"{owner}: batch_size must be >= 1, got {batch_size} (set data.batch_size)")
-    if num_workers < 0:
-        raise ValueError(f"{owner}: num_workers must be >= 0, got {num_workers} (set data.num_workers)")
 
 
 class _TrainingData(L.LightningDataModule):
@@ -55,35 +68,68 @@ class _TrainingData(L.LightningDataModule):
         *,
         train: Dataset | None,
         batch_size: int,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
+        num_workers: int | str = "auto",
+        pin_memory: bool | str = "auto",
+        persistent_workers: bool = True,
+        prefetch_factor: int = 2,
     ) -> None:
-        _check_loader_args(type(self).__name__, batch_size, num_workers)
+        _check_batch_size(type(self).__name__, batch_size)
+        check_loader_settings(type(self).__name__, num_workers, pin_memory, prefetch_factor)
         super().__init__()
         self.train_set = train
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.persistent_workers = persistent_workers and num_workers > 0
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
         # seed_everything(cfg.seed) ran before the module was built, so this is the run seed.
         self.seed = torch.initial_seed()
         self._resume_at: tuple[int, int] | None = None
 
-    def loader(self, dataset: Dataset, *, batch_size: int, sampler: ResumableSampler | None = None) -> DataLoader:
+    def describe_training_set(self) -> str:
+        return _describe(self.train_set)
+
+    def loader_settings(self, device_type: str | None = None) -> LoaderSettings:
+        """The DataLoader settings for `device_type` (None: the trainer's device, the CPU without a trainer),
+        sharing the node's cores with the trainer's other processes there."""
+        trainer = self.trainer
+        if device_type is None:
+            device_type = trainer.strategy.root_device.type if trainer else "cpu"
+        return resolve_loader_settings(
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor,
+            device_type=device_type,
+            processes_on_node=trainer.num_devices if trainer else 1,
+        )
+
+    def loader(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        settings: LoaderSettings | None = None,
+        sampler: ResumableSampler | None = None,
+    ) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
             drop_last=sampler is not None,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.persistent_workers,
+            collate_fn=collate_pairs,
             generator=torch.Generator().manual_seed(self.seed),
+            **(settings or self.loader_settings()).dataloader_kwargs(),
         )
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled, this process's share under DDP, drop_last; resumes where the checkpoint stopped."""
+        settings = self.loader_settings()
+        log.info("training loader: %s", settings.describe())
+        return self.training_loader(settings)
+
+    def training_loader(self, settings: LoaderSettings) -> DataLoader:
+        """The training loader (`train_dataloader`) with the given settings."""
         dataset = self.train_set
         if dataset is None:
             raise ValueError(f"{type(self).__name__}: this data config has no training dataset (data.train is null)")
@@ -108,7 +154,7 @@ class _TrainingData(L.LightningDataModule):
             # Lightning warns that a mid-epoch resume is unreliable unless the loader is stateful; this
             # module restores the position itself (the sampler skips the batches already trained on).
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
-        return self.loader(dataset, batch_size=self.batch_size, sampler=sampler)
+        return self.loader(dataset, batch_size=self.batch_size, settings=settings, sampler=sampler)
 
     def state_dict(self) -> dict[str, Any]:
         """The training position: the epoch and how many of its batches were trained on, from Lightning's loop
@@ -136,7 +182,8 @@ class FlowDataModule(_TrainingData):
         val: validation datasets by name, e.g. ``{sintel_clean: ..., sintel_final: ..., kitti: ...}``.
         batch_size: training batch size (the official stages use 8 for chairs, 6 after).
         val_batch_size: validation batch size; 1 unless all validation images share one size.
-        num_workers, pin_memory, persistent_workers: DataLoader settings (of :class:`_TrainingData`).
+        num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader settings (of
+            :class:`_TrainingData`; ``auto`` resolved by :mod:`flowformer.data.loader_settings`).
     """
 
     def __init__(
@@ -149,7 +196,7 @@ class FlowDataModule(_TrainingData):
         **loader_settings: Any,
     ) -> None:
         super().__init__(train=train, batch_size=batch_size, **loader_settings)
-        _check_loader_args("FlowDataModule (val)", val_batch_size, self.num_workers)
+        _check_batch_size("FlowDataModule (val)", val_batch_size)
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
             if len(dataset) == 0:
@@ -162,11 +209,17 @@ class FlowDataModule(_TrainingData):
         return list(self.val_sets)
 
     def val_dataloader(self) -> list[DataLoader]:
-        return [self.loader(dataset, batch_size=self.val_batch_size) for dataset in self.val_sets.values()]
+        """One loader per validation set; their workers end with each validation (only the training loader's
+        persist: kept, a run's idle validation workers would outnumber its training ones)."""
+        settings = dataclasses.replace(self.loader_settings(), persistent_workers=False)
+        return [
+            self.loader(dataset, batch_size=self.val_batch_size, settings=settings)
+            for dataset in self.val_sets.values()
+        ]
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
-            log.info("training data: %s", _describe(self.train_set))
+            log.info("training data: %s", self.describe_training_set())
         for name, dataset in self.val_sets.items():
             log.info("validation set %s: %s", name, _describe(dataset))
 
@@ -176,8 +229,8 @@ class PretrainDataModule(_TrainingData):
     procedurally or with photographs: data=synthetic_video, data=image_folder_video).
 
     The official recipe (FlowFormer++ ``pretrain_FlowFormer_maemask.py``): batch 24, shuffle, drop_last,
-    368x496 crops. There is no validation set. ``num_workers``, ``pin_memory``, ``persistent_workers``: the
-    DataLoader settings of :class:`_TrainingData`.
+    368x496 crops. There is no validation set. ``num_workers``, ``pin_memory``, ``persistent_workers``,
+    ``prefetch_factor``: the DataLoader settings of :class:`_TrainingData`.
     """
 
     def __init__(self, *, train: Dataset, batch_size: int = 24, **loader_settings: Any) -> None:
@@ -188,4 +241,4 @@ class PretrainDataModule(_TrainingData):
         return []
 
     def setup(self, stage: str) -> None:
-        log.info("pretraining data: %s", _describe(self.train_set))
+        log.info("pretraining data: %s", self.describe_training_set())

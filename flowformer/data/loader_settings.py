@@ -1,0 +1,93 @@
+"""The DataLoader settings of a training run (``data.num_workers``, ``data.pin_memory``,
+``data.persistent_workers``, ``data.prefetch_factor``), with ``auto`` chosen for the device the loader feeds.
+
+- ``num_workers: auto``: on a GPU (or any accelerator), the CPU cores this process may use, shared with the
+  other processes of its node (DDP), less one for the process itself, at most :data:`MAX_AUTO_WORKERS`; on a
+  CPU, 0: the step already keeps every core busy, and a worker would only take cores from it.
+- ``pin_memory: auto``: pinned (page-locked) batches when the loader feeds a CUDA device, so the copy to the
+  GPU is asynchronous; never otherwise (there is nothing to pin for).
+- ``persistent_workers`` keeps the workers between epochs and validations; it and ``prefetch_factor`` (batches
+  each worker prepares ahead) only apply with workers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# At most this many workers per process for num_workers=auto: one worker delivers 1.1-6 pairs/s of the
+# official stages' augmented crops (docs/performance.md, "Does the data keep up"), and every worker holds
+# prefetch_factor batches in (pinned) memory.
+MAX_AUTO_WORKERS = 8
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a SLURM or container limit), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What a DataLoader gets, resolved: a worker count, pinning, and the worker-only settings."""
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+
+    def dataloader_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.persistent_workers,
+            "prefetch_factor": self.prefetch_factor,
+        }
+
+    def describe(self) -> str:
+        if self.num_workers == 0:
+            return f"loaded in the training process, {'pinned' if self.pin_memory else 'not pinned'}"
+        return (
+            f"{self.num_workers} worker{'s' * (self.num_workers > 1)}{' (persistent)' if self.persistent_workers else ''}, "
+            f"{self.prefetch_factor} batches ahead each, {'pinned' if self.pin_memory else 'not pinned'}"
+        )
+
+
+def check_loader_settings(owner: str, num_workers: Any, pin_memory: Any, prefetch_factor: Any) -> None:
+    """One line naming the setting when a value is not one the loader takes."""
+    if num_workers != "auto" and not (_is_int(num_workers) and num_workers >= 0):
+        raise ValueError(f"{owner}: data.num_workers must be auto or an integer >= 0, got {num_workers!r}")
+    if pin_memory != "auto" and not isinstance(pin_memory, bool):
+        raise ValueError(f"{owner}: data.pin_memory must be auto, true or false, got {pin_memory!r}")
+    if not (_is_int(prefetch_factor) and prefetch_factor >= 1):
+        raise ValueError(f"{owner}: data.prefetch_factor must be an integer >= 1, got {prefetch_factor!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_loader_settings(
+    *,
+    num_workers: int | str,
+    pin_memory: bool | str,
+    persistent_workers: bool,
+    prefetch_factor: int,
+    device_type: str,
+    processes_on_node: int = 1,
+) -> LoaderSettings:
+    """The settings for a loader feeding `device_type` (`cuda`, `cpu`, ...), in one of `processes_on_node`
+    processes sharing the node's cores; `auto` as the module docstring says."""
+    if num_workers == "auto":
+        cores = available_cores() // max(processes_on_node, 1)
+        num_workers = 0 if device_type == "cpu" else min(max(cores - 1, 0), MAX_AUTO_WORKERS)
+    pin = device_type == "cuda" if pin_memory == "auto" else bool(pin_memory)
+    workers = int(num_workers)
+    return LoaderSettings(
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=bool(persistent_workers) and workers > 0,
+        prefetch_factor=prefetch_factor if workers > 0 else None,
+    )
