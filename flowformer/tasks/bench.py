@@ -5,7 +5,8 @@
 bench.mode picks the step:
   forward:  the eval-mode forward (inference);
   train:    a supervised training step: forward, sequence loss, backward, AdamW step (model=flow's loss);
-  pretrain: an MCVA pretraining step of cfg.model (model=mcva): masked encode, query rounds, backward, AdamW.
+  pretrain: an MCVA pretraining step of cfg.model (model=mcva): masked encode, query rounds, backward, AdamW;
+  data:     no step: the pairs per second of cfg.data's training loader (`bench=data`, flowformer/tasks/bench_data.py).
 
     python run.py task=bench backbone=flowformer bench.sizes=[[432,960]] bench.device=cuda
     python run.py task=bench backbone=flowformer bench.sizes=[[368,496],[720,1280],[1080,1920]] \
@@ -61,6 +62,7 @@ from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
+from flowformer.tasks import bench_data
 from flowformer.tasks.runtime import (
     autocast_context,
     compile_network,
@@ -71,7 +73,7 @@ from flowformer.tasks.runtime import (
 
 log = logging.getLogger(__name__)
 
-MODES = ("forward", "train", "pretrain")
+MODES = ("forward", "train", "pretrain", "data")
 
 
 def peak_rss_mib() -> float:
@@ -421,6 +423,8 @@ def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
 
 
 def run(cfg: DictConfig) -> float:
+    if cfg.bench.mode == "data":  # the training loader of cfg.data, not a step of the network
+        return bench_data.run(cfg, machine())
     output_dir = Path(cfg.paths.output_dir)
     configs = named_configs(cfg, list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [])
     for _, row_cfg in configs:

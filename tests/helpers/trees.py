@@ -3,6 +3,8 @@ datasets are downloaded, with tiny images whose red channel names the frame."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import cv2
@@ -122,3 +124,43 @@ def frames_folder(folder: Path, count: int, suffix: str = ".jpg") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for j in range(count):
         assert cv2.imwrite(str(folder / f"{j:05d}{suffix}"), video_frame(10 * j)[..., ::-1])
+
+
+@contextmanager
+def image_size(height: int, width: int) -> Iterator[None]:
+    """The flow-dataset trees written inside it have images and flow of height x width instead of H x W: the
+    datasets' own sizes (FlyingChairs 384x512, ...) for measuring what reading and augmenting them costs."""
+    global H, W
+    saved = H, W
+    H, W = height, width
+    try:
+        yield
+    finally:
+        H, W = saved
+
+
+def hd1k_tree(root: Path, pairs: int = 2) -> Path:
+    """HD1k/ with one sequence of `pairs` + 1 frames and their sparse 16-bit flow."""
+    for j in range(pairs + 1):
+        write_image(root / "hd1k_input/image_2" / f"000000_{j:04d}.png", j)
+        write_kitti_flow(root / "hd1k_flow_gt/flow_occ" / f"000000_{j:04d}.png", *sparse_flow(float(j)))
+    return root
+
+
+def dataset_sized_trees(root: Path) -> Path:
+    """The trees data=chairs, data=things and data=sintel_mix read under `root` (their paths.data_dir), each at
+    its dataset's image size: 24 chairs training pairs and 1 validation pair (384x512); FlyingThings3D 540x960 with 8 frames a sequence (28
+    clean + 28 final pairs a direction); Sintel 436x1024 (3 pairs a pass), 1 KITTI pair (375x1242), 3 HD1K
+    pairs (1080x2560), which the sintel mix weighs 600 : 200 : 15 : 28 (the full datasets: 208200 : 40000 :
+    5235 : about 40000)."""
+    with image_size(384, 512):
+        chairs_tree(root, [1] * 24 + [2])  # red channel 10 i: at most 25 pairs
+    with image_size(540, 960):
+        things_tree(root / "FlyingThings3D", frames=8)
+    with image_size(436, 1024):
+        sintel_tree(root / "Sintel")
+    with image_size(375, 1242):
+        kitti_tree(root / "KITTI", pairs=1)
+    with image_size(1080, 2560):
+        hd1k_tree(root / "HD1k", pairs=3)
+    return root
