@@ -34,6 +34,7 @@ from flowformer.lit.checkpointing import (
     check_resume_checkpoint,
     forget_best_of_other_dirs,
 )
+from flowformer.lit.data_wait import DataWait
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks.preemption import Preemption
 from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
@@ -69,8 +70,8 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     """Everything `trainer.fit(model, datamodule)` needs around them, checked before any training: the run and
     checkpoint directories are writable, the run record is written, cfg.monitor is resolved, `ckpt_path` fits
     `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
-    resume, and Preemption for the stop signals); the loggers get the whole config, and a wandb run's id is
-    stored beside the checkpoints."""
+    resume, Preemption for the stop signals, and DataWait, how long each step waited for its data); the loggers
+    get the whole config, and a wandb run's id is stored beside the checkpoints."""
     check_validation_interval(cfg.trainer.get("val_check_interval"))
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir, parameter_counts(model), memory_settings(model))
@@ -78,7 +79,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     monitor = set_monitor(cfg, datamodule)
     resume = checked_resume(cfg, datamodule, model) if cfg.get("ckpt_path") else None
     loggers = build_loggers(cfg)
-    callbacks = [*build_callbacks(cfg), RandomStates(), Preemption()]
+    callbacks = [*build_callbacks(cfg), RandomStates(), Preemption(), DataWait()]
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )
