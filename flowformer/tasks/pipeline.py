@@ -378,15 +378,24 @@ def send_to_followers(stage_cfg: DictConfig | None) -> None:
 def follow() -> None:
     """A launcher's process other than global rank 0: trains every stage with the config rank 0 sends
     (`send_to_followers`), in the process group, until the stages are over. It reads and writes none of the
-    pipeline's folders and records: rank 0 owns them, and evaluates alone."""
+    pipeline's folders and records: rank 0 owns them, and evaluates alone. A stage that fails here fails on
+    rank 0 too (the same config and step); this process then waits, as rank 0 tells it, for the stages to be
+    over before it raises that failure, so that in a table every process goes on to the next row together."""
+    failure: Exception | None = None
     while True:
         message: list[Any] = [None]
         torch.distributed.broadcast_object_list(message, src=0)
         if message[0] is None:
-            return
-        log.info("pipeline: rank %d trains %s", torch.distributed.get_rank(), message[0]["paths"]["output_dir"])
-        fit(OmegaConf.create(message[0]))
-        close_loggers()
+            break
+        if failure is None:
+            log.info("pipeline: rank %d trains %s", torch.distributed.get_rank(), message[0]["paths"]["output_dir"])
+            try:
+                fit(OmegaConf.create(message[0]))
+            except Exception as error:  # noqa: BLE001 - raised once rank 0 says the stages are over
+                failure = error
+            close_loggers()
+    if failure is not None:
+        raise failure
 
 
 def train_stage(

@@ -51,8 +51,11 @@ def failed_jobs(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class FailedJobsReport(Callback):
-    """When a sweep ends: one line naming its failed jobs and where they are recorded, and exit status 1."""
+    """When a sweep ends: one line naming its failed jobs and where they are recorded, and exit status 1. Under
+    a launcher (torchrun, srun) every process runs the sweep and global rank 0 alone reports: another process
+    ending with status 1 first would make the launcher stop rank 0, still evaluating its last row."""
 
+    @rank_zero_only
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = failed_jobs(config.hydra.sweep.dir)
         if failed:

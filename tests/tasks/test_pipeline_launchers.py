@@ -235,6 +235,27 @@ def test_a_row_refused_before_its_stages_under_torchrun_keeps_the_processes_in_s
     assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
 
 
+def test_a_row_failing_in_its_stage_under_torchrun_leaves_the_next_row_and_its_evaluation_whole(tmp_path):
+    """A row whose stage fails in both processes (an invalid learning rate): rank 1 waits for rank 0 to end that
+    row before it reports the failure, so both train the next row; rank 1, done first, ends without an error
+    status, which would make torchrun stop rank 0 in the last row's evaluation. Rank 0 names the failed row."""
+    checkout = checkout_with_protocol(tmp_path, "torchrun_failing", things=[])
+    result = torchrun(
+        checkout, "-m", "task=pipeline", "protocol=torchrun_failing", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=-1,1e-4",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("error: 1 job(s) of this sweep failed: #0") == 1
+    _, (failed, trained) = sweep_jobs(checkout, "torchrun_failing")
+    assert record(failed)["status"] == "failed" and "Invalid learning rate: -1" in record(failed)["stages"][0]["error"]
+    done = record(trained)
+    assert done["status"] == "done" and [entry["status"] for entry in [*done["stages"], *done["evaluations"]]] == [
+        "done", "done"
+    ]
+    assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
