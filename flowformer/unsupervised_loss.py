@@ -5,7 +5,8 @@ ARFlow). Image 2 is warped backward by the predicted flow and compared with imag
 The differentiable image operations are kornia's: SSIM (`kornia.metrics.ssim`), the spatial derivatives
 (`kornia.filters.spatial_gradient`), the grey conversion (`kornia.color.rgb_to_grayscale`) and the backward warp
 (`kornia.geometry.transform.remap` on a `kornia.geometry.create_meshgrid` grid). The census transform is written
-here: kornia has none.
+here: kornia has none. kornia is imported by the functions that use it, so that a run without this loss does not
+pay its import.
 """
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kornia.color import rgb_to_grayscale
-from kornia.filters import spatial_gradient
-from kornia.geometry import create_meshgrid
-from kornia.geometry.transform import remap
-from kornia.metrics import ssim
 from torch import Tensor
 
 SSIM_WINDOW = 3  # ARFlow's 3x3 SSIM window: local structure at the scale of a pixel's neighbours
@@ -71,6 +67,9 @@ class UnsupervisedLossSettings:
 def backward_warp(image: Tensor, flow: Tensor) -> tuple[Tensor, Tensor]:
     """image [B, C, H, W] sampled at x + flow(x) (bilinear, zeros outside) -> (warped [B, C, H, W], inside
     [B, 1, H, W] bool: x + flow(x) lies in the frame)."""
+    from kornia.geometry import create_meshgrid
+    from kornia.geometry.transform import remap
+
     _, _, height, width = image.shape
     grid = create_meshgrid(height, width, False, device=flow.device, dtype=flow.dtype)  # [1, H, W, (x, y)]
     map_x = grid[..., 0] + flow[:, 0]  # [B, H, W]
@@ -92,6 +91,8 @@ def occluded_pixels(forward: Tensor, backward_at_target: Tensor, *, relative: fl
 def census_transform(image: Tensor) -> Tensor:
     """image [B, 3, H, W] in 0..1 -> the soft signs of each 7x7 neighbour's difference to the centre, on grey
     levels 0..255 [B, 49, H, W] (borders replicated)."""
+    from kornia.color import rgb_to_grayscale
+
     grey = rgb_to_grayscale(image) * 255.0  # [B, 1, H, W]
     pad = CENSUS_WINDOW // 2
     neighbours = F.unfold(F.pad(grey, (pad,) * 4, mode="replicate"), CENSUS_WINDOW)  # [B, 49, H*W]
@@ -109,6 +110,8 @@ def census_distance(image1: Tensor, warped2: Tensor) -> Tensor:
 
 def photometric_maps(image1: Tensor, warped2: Tensor, weights: dict[str, float]) -> dict[str, Tensor]:
     """Per-pixel errors [B, 1, H, W] of the terms with a weight > 0, images [B, 3, H, W] in 0..1."""
+    from kornia.metrics import ssim
+
     errors = {
         "l1": lambda: (image1 - warped2).abs().mean(1, keepdim=True),
         "ssim": lambda: ((1 - ssim(image1, warped2, SSIM_WINDOW)) / 2).clamp(0, 1).mean(1, keepdim=True),
@@ -120,6 +123,8 @@ def photometric_maps(image1: Tensor, warped2: Tensor, weights: dict[str, float])
 def edge_aware_smoothness(flow: Tensor, image: Tensor, *, order: int, edge_constant: float) -> Tensor:
     """Mean over the interior pixels of exp(-edge_constant * mean_c |dI/dd|) * |d^order flow / dd^order| for
     d = x, y; flow [B, 2, H, W] in units of min(H, W) (ARFlow's scale), image [B, 3, H, W] in 0..1."""
+    from kornia.filters import spatial_gradient
+
     image_slope = spatial_gradient(image, mode="diff", order=1).abs().mean(1)  # [B, (x, y), H, W]
     edge_weight = torch.exp(-edge_constant * image_slope)
     if order == 1:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from timm.models.convnext import ConvNeXtBlock
 from torch import Tensor, nn
 
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
@@ -578,6 +577,9 @@ class ConvNextLayer(nn.Module):
     """
 
     def __init__(self, *, dim: int) -> None:
+        # timm (about a second to import) only where this ablation is built
+        from timm.models.convnext import ConvNeXtBlock
+
         super().__init__()
         self.net = nn.Sequential(
             *[

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import huggingface_hub
-import timm
 import torch
 import torch.nn.functional as F
-from huggingface_hub.errors import LocalEntryNotFoundError
-from timm.models.twins import Block as TwinsBlock
-from timm.models.twins import LocallyGroupedAttn
 from torch import Tensor, nn
 
 from flowformer.models.layers import recomputed_in_backward
 from flowformer.models.memory_plan import FLOAT_BYTES
+
+if TYPE_CHECKING:  # timm (about a second to import, with wandb) is imported where a Twins encoder is built
+    from timm.models.twins import Block as TwinsBlock
 
 TWINS_DIM = 256  # channels of twins_svt_large's second stage, the official `encoder_latent_dim`
 TWINS_LARGE_WIDTHS = (128, TWINS_DIM)  # twins_svt_large's stages 0-1, the widths its ImageNet weights have
@@ -79,6 +78,8 @@ class TwinsEncoder(nn.Module):
         super().__init__()
         self.checkpoint_blocks = checkpoint_blocks
         self.feature_dim = widths[-1]
+        import timm
+
         standin = twins_weights == STANDIN
         with torch.random.fork_rng(devices=[], enabled=standin):
             if standin:
@@ -104,6 +105,10 @@ class TwinsEncoder(nn.Module):
         """Load timm's ImageNet `twins_svt_large` weights through timm's pretrained-weights loader, from its
         cache (`IMAGENET`: downloaded there once) or from a local file (.safetensors or .pth), ignoring the
         stages not built."""
+        import huggingface_hub
+        import timm
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
         pretrained_cfg = dict(self.svt.pretrained_cfg)  # timm's default: the Hugging Face hub's in1k weights
         if str(source) != IMAGENET:
             path = Path(source)
@@ -150,6 +155,9 @@ class TwinsEncoder(nn.Module):
 
 def imagenet_weights_url() -> str:
     """Where timm downloads twins_svt_large's ImageNet weights from (its default pretrained config)."""
+    import huggingface_hub
+    import timm
+
     hub_id = timm.models.get_pretrained_cfg("twins_svt_large").hf_hub_id
     return huggingface_hub.hf_hub_url(hub_id, TWINS_IMAGENET_FILE)
 
@@ -183,6 +191,8 @@ def _block_in_row_blocks(block: TwinsBlock, x: Tensor, size: tuple[int, int], ro
     sr_ratio rows (the rows below the last whole one are dropped either way), and the queries over the blocks.
     Blocks never have fewer rows than a window or an sr_ratio.
     """
+    from timm.models.twins import LocallyGroupedAttn
+
     height, width = size
     attn = block.attn
     stride = attn.ws if isinstance(attn, LocallyGroupedAttn) else attn.sr_ratio
