@@ -378,9 +378,12 @@ def send_to_followers(stage_cfg: DictConfig | None) -> None:
 def follow() -> None:
     """A launcher's process other than global rank 0: trains every stage with the config rank 0 sends
     (`send_to_followers`), in the process group, until the stages are over. It reads and writes none of the
-    pipeline's folders and records: rank 0 owns them, and evaluates alone. A stage that fails here fails on
-    rank 0 too (the same config and step); this process then waits, as rank 0 tells it, for the stages to be
-    over before it raises that failure, so that in a table every process goes on to the next row together."""
+    pipeline's folders and records: rank 0 owns them, and evaluates alone. In a table (a multirun), after a
+    stage failed here this process waits for rank 0 to say the row's stages are over before it raises the
+    failure, so that every process goes on to the next row together (a failure of every process: a setting
+    the stage refuses). Alone (one pipeline) it raises at once and the launcher ends the job, also where the
+    stage failed here only (one GPU out of memory), which rank 0, in its DDP step, waits on; in a table such
+    a failure waits until the process group times out."""
     failure: Exception | None = None
     while True:
         message: list[Any] = [None]
@@ -391,9 +394,12 @@ def follow() -> None:
             log.info("pipeline: rank %d trains %s", torch.distributed.get_rank(), message[0]["paths"]["output_dir"])
             try:
                 fit(OmegaConf.create(message[0]))
-            except Exception as error:  # noqa: BLE001 - raised once rank 0 says the stages are over
+            except Exception as error:  # in a table, raised once rank 0 says the row's stages are over
+                if not in_multirun():
+                    raise
                 failure = error
-            close_loggers()
+            finally:
+                close_loggers()
     if failure is not None:
         raise failure
 
