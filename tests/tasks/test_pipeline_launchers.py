@@ -1,7 +1,9 @@
 """task=pipeline under the launchers a single run works under (issue 34 item 3): Lightning's own DDP launcher
-(`trainer=ddp`, whose new processes run the command line again), torchrun, and a table's rows as jobs of
-Hydra's submitit launcher. One process owns the pipeline's folders and records; a stage killed mid-way
-resumes with pipeline.resume. Two gloo processes on the CPU stand for two GPUs."""
+(`trainer=ddp`, whose new processes run the command line again), torchrun (a pipeline, a table, two nodes
+simulated on this machine), srun's environment (not a SLURM cluster), and a table's rows as jobs of Hydra's
+submitit launcher. One process owns the pipeline's folders and records; a stage killed mid-way resumes with
+pipeline.resume; a table's failed row leaves the processes in step for the next. Two gloo processes on the
+CPU stand for two GPUs."""
 
 import json
 import os
