@@ -25,10 +25,14 @@ from rich.progress import (
 )
 from rich.text import Text
 from torch import nn
+from torch._inductor import list_mode_options
 
 from flowformer.device_settings import device_memory_settings
 from flowformer.models import FlowFormer
 from flowformer.models.checkpoint import load_backbone_weights
+from flowformer.models.cost_encoder import CostPerceiverEncoder
+from flowformer.models.decoder import MemoryDecoder
+from flowformer.models.encoders import TwinsEncoder
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +109,43 @@ def configure_runtime(settings: DictConfig) -> None:
     configure_host_allocator(settings.cpu_mmap_threshold_mb)
 
 
+def compile_regions(net: FlowFormer) -> list[nn.Module]:
+    """The modules `compile_network` compiles, each a region that runs many times with the same shapes: the
+    decoder's update block and cost query (once per refinement iteration; the query also once per MCVA query
+    round), the cost encoder's patch embedding and latent summary (once per `tokenize_chunk` block) and each of
+    its AGT layers, and the image encoders (a Twins encoder by its transformer blocks; once per forward). The
+    code between them (cost-window sampling, convex upsampling, the loops) runs eagerly, so one compiled graph
+    per region serves every iteration, however many."""
+    decoder, cost_encoder = net.memory_decoder, net.cost_encoder
+    regions: list[nn.Module] = []
+    for encoder in [*net.feature_encoder_modules(), *net.context_encoder_modules()]:
+        twins = isinstance(encoder, TwinsEncoder)
+        regions += [block for stage in encoder.svt.blocks for block in stage] if twins else [encoder]
+    if isinstance(cost_encoder, CostPerceiverEncoder):
+        regions += [cost_encoder.patch_embed, cost_encoder.input_layer]
+        regions += [*cost_encoder.encoder_layers, *cost_encoder.vertical_encoder_layers]
+    elif cost_encoder is not None:
+        regions.append(cost_encoder)
+    if isinstance(decoder, MemoryDecoder):
+        regions += [decoder.flow_token_encoder, decoder.decoder_layer.cross_attend]
+    return [*regions, decoder.update_block]
+
+
 def compile_network(net: FlowFormer, settings: DictConfig) -> None:
-    """With `runtime.compile`, torch.compile the stages of `net` in place (`nn.Module.compile`): the image
-    encoders, the cost encoder and the decoder, the modules `FlowFormer.forward` calls (MCVA pretraining calls
-    the encoders and the cost encoder; its cost queries use decoder methods, which stay eager). In place, so
-    `state_dict()` keys stay the plain ones (no `_orig_mod.`) and checkpoints load into uncompiled networks.
-    Each stage compiles on its first call with a new input shape or mode (train / eval)."""
+    """With `runtime.compile`, torch.compile `net`'s repeated regions in place (`compile_regions`,
+    `nn.Module.compile`): compile time does not grow with the decoder's iterations, and `state_dict()` keys stay
+    the plain ones (no `_orig_mod.`), so checkpoints load into uncompiled networks. Each region compiles on its
+    first call with a new input shape or mode (train / eval)."""
     if not settings.compile:
         return
-    stages = [*net.context_encoder_modules(), *net.feature_encoder_modules(), net.cost_encoder, net.memory_decoder]
-    stages = [stage for stage in stages if stage is not None]  # no cost encoder with backbone.decoder=mcr
     backend, mode = settings.compile_backend, settings.compile_mode
-    for stage in stages:
-        stage.compile(backend=backend, mode=mode)
-    log.info("torch.compile %s (mode %s): %d stages", backend, mode, len(stages))
+    modes = list(list_mode_options())  # other backends ignore the mode
+    if backend == "inductor" and mode not in modes:
+        raise ValueError(f"runtime.compile_mode={mode!r}: expected one of inductor's modes {', '.join(modes)}")
+    regions = compile_regions(net)
+    for region in regions:
+        region.compile(backend=backend, mode=mode)
+    log.info("torch.compile %s (mode %s): %d regions", backend, mode, len(regions))
 
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:

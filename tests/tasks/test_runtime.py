@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch._dynamo import lookup_backend, register_backend
+from torch._dynamo.utils import counters
 
 from flowformer.tasks import bench, run_task
 from flowformer.tasks.runtime import compile_network, configure_runtime
@@ -19,6 +20,7 @@ from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config as config
 from helpers.configs import build_backbone
+from helpers.run import fresh_checkout, run_py
 
 COMPILED_GRAPHS: list[torch.fx.GraphModule] = []
 
@@ -128,6 +130,77 @@ def test_compiled_network_gives_the_uncompiled_flow():
     assert COMPILED_GRAPHS  # the stages went through torch.compile
     torch.testing.assert_close(flow, expected)
     assert list(net.state_dict()) == list(reference.state_dict())
+
+
+def compiled_graph_sizes(iters: int, training: bool) -> list[int]:
+    """The node counts of the graphs torch.compile captures in the first step of the compiled tiny network with
+    `iters` decoder iterations (a forward, and its backward when `training`), from an empty compile cache;
+    checks that nothing broke a graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = build_backbone().train(training)
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=recording_eager").runtime)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    COMPILED_GRAPHS.clear()
+    with torch.set_grad_enabled(training):
+        out = net(*images, iters=iters)
+        if training:
+            sum(flow.abs().mean() for flow in out["flow_predictions"]).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["ok"] == len(COMPILED_GRAPHS)  # one graph per compiled frame, none failed
+    return [len(graph.graph.nodes) for graph in COMPILED_GRAPHS]
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_compiling_does_not_grow_with_the_decoder_iterations(training):
+    """The repeated regions compile once: 12 iterations capture the same graphs as 4 (no unrolled loop, no
+    recompiles across iterations)."""
+    assert compiled_graph_sizes(12, training) == compiled_graph_sizes(4, training)
+
+
+def test_a_compiled_training_step_gives_the_uncompiled_loss_and_gradients():
+    torch.manual_seed(0)
+    net, reference = build_backbone(), build_backbone()
+    reference.load_state_dict(net.state_dict())
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=aot_eager").runtime)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    losses = []
+    for model in (net, reference):
+        loss = sum(flow.abs().mean() for flow in model(*images, iters=3)["flow_predictions"])
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    for (name, parameter), expected in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, msg=name)
+
+
+def test_a_bad_compile_mode_is_one_error_naming_the_key(tmp_path):
+    result = run_py(
+        "task=eval", "eval=synthetic", "backbone=tiny", "runtime.compile=true", "runtime.compile_mode=fast",
+        f"hydra.run.dir={tmp_path / 'run'}", expect_ok=False, timeout=300, cwd=fresh_checkout(tmp_path / "checkout"),
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error (ValueError): runtime.compile_mode='fast': expected one of inductor's modes")
+
+
+def test_two_process_ddp_training_under_compile(tmp_path):
+    """trainer=ddp on CPU (gloo) with runtime.compile=true, run from a fresh checkout: trains, nothing breaks a
+    graph (TORCH_LOGS=graph_breaks), plain checkpoint keys."""
+    run_dir = tmp_path / "run"
+    result = run_py(
+        "debug=tiny", "trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2",
+        "trainer.max_steps=2", "trainer.val_check_interval=2", "data.batch_size=1", "runtime.compile=true",
+        "runtime.compile_backend=aot_eager", f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1", "TORCH_LOGS": "graph_breaks"}, timeout=300,
+        cwd=fresh_checkout(tmp_path / "checkout"),
+    )
+    output = result.stdout + result.stderr
+    assert "MEMBER: 2/2" in output and "torch.compile aot_eager (mode default)" in output
+    assert "Graph break" not in output
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert sorted(state) == sorted(f"backbone.{key}" for key in build_backbone().state_dict())
 
 
 def test_training_with_compile_saves_plain_checkpoint_keys(tmp_path):
