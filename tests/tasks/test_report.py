@@ -162,6 +162,18 @@ def test_the_papers_columns_are_its_evaluation_measured_minus_published():
     assert row["plain:sintel_clean/epe"] == 1.5 and row["tiled:chairs/epe"] == 2.0  # the rest, as measured
 
 
+def test_a_row_that_names_its_evaluation_is_compared_with_that_one_alone():
+    """A main_ct pipeline whose tiled evaluation was left out: its w/o tile row has the plain evaluation's
+    number, its w/ tile row none (not the plain one in its place)."""
+    table = report.load_table(CONF_DIR / "paper", "paper_tile", explicit=True)
+    job = report.Job("0", None, ["task=pipeline", "protocol=main_ct"], [], evaluations=["plain"])
+    job.results = {"plain:sintel_clean/epe": 1.5}
+    tile, no_tile = report.report_rows([job], table, ["epe"])
+    assert (tile["row"], tile["sintel_clean/epe"], tile["sintel_clean/epe paper"]) == (TILE_ROWS[0], None, 0.94)
+    assert (no_tile["row"], no_tile["sintel_clean/epe"]) == (TILE_ROWS[1], 1.5)
+    assert no_tile["sintel_clean/epe diff"] == pytest.approx(0.49)
+
+
 def test_report_table_that_names_no_table_is_one_line(tmp_path):
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text("[]\n")
