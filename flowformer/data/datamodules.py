@@ -48,7 +48,10 @@ def _describe(dataset: Dataset) -> str:
 def collate_pairs(items: list[dict[str, Any]]) -> dict[str, Any]:
     """A batch of dataset items: every key stacked as ``default_collate`` does, but ``meta``, which stays the list
     of the items' own dicts: the parts of a mix (the sintel stage's Sintel, KITTI, HD1K and Things items) carry
-    different meta keys, which ``default_collate`` cannot join."""
+    different meta keys, which ``default_collate`` cannot join. Items that are not dicts go to
+    ``default_collate`` whole."""
+    if not all(isinstance(item, Mapping) for item in items):
+        return default_collate(items)
     batch = default_collate([{key: value for key, value in item.items() if key != "meta"} for item in items])
     if any("meta" in item for item in items):
         batch["meta"] = [item.get("meta", {}) for item in items]
