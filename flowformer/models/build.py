@@ -58,7 +58,7 @@ KNOB_MINIMUMS = {
 # plan); each decoder iteration (and each MCVA query round: the decoder's cost query and the reconstruction head).
 ACTIVATION_CHECKPOINT_STAGES = ("image_encoders", "tokenize", "cost_layers", "decoder")
 # backbone.tokenize_chunk and backbone.memory_budget_gb: a value, null (the official computation) or AUTO, which
-# the tasks replace by their choice for the device they run on (flowformer/tasks/runtime.py,
+# the tasks replace by their choice for the device they run on (flowformer/device_settings.py,
 # `device_memory_settings`). A network built without a device in view takes, for tokenize_chunk, the bounded
 # path, as on a CPU, and for memory_budget_gb the dense computation.
 AUTO = "auto"

@@ -23,7 +23,7 @@ warmup's one-off costs such as allocator growth). `runtime.matmul_precision` app
 `bench.rows` names rows whose settings differ in more than these (mode, backbone, model, batch, iterations,
 runtime), each a list of overrides after the command line's: `python run.py task=bench bench=gpu` (`make
 bench-gpu`) runs the GPU figures of docs/performance.md that way. The backbone's memory settings left `auto`
-are chosen for bench.device (flowformer/tasks/runtime.py); each row records its `tokenize_chunk`.
+are chosen for bench.device (flowformer/device_settings.py); each row records its `tokenize_chunk`.
 
 Every row also counts, on any device, the operators (aten calls: kernel launches on a GPU) that the eager
 network dispatches in one step of the row and in one decoder iteration (`count_operators`).

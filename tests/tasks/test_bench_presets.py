@@ -14,15 +14,16 @@ from helpers.configs import CONF_DIR, REPO_DIR
 from helpers.run import fresh_checkout, run_py
 
 # name: (mode, backbone variant, batch, size, decoder iterations, precision, matmul precision, memory budgets,
-# recomputed stages) of each row of the GPU table (issue 35)
+# recomputed stages) of each row of the GPU table (issue 35); "auto": the backbone's memory_budget_gb, chosen for
+# the GPU when the rows run (dense in training, half of the free memory in a forward row)
 GPU_ROWS = {
-    "inference_440x1024_tf32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "high", [None], [[]]),
-    "inference_440x1024_bf16": ("forward", "flowformer", 1, [440, 1024], 32, "bf16-mixed", "high", [None], [[]]),
-    "inference_440x1024_fp32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "highest", [None], [[]]),
-    "train_b8_368x496_bf16": ("train", "flowformer", 8, [368, 496], 12, "bf16-mixed", "high", [None], [[]]),
-    "train_b8_368x496_tf32": ("train", "flowformer", 8, [368, 496], 12, "32-true", "high", [None], [[]]),
+    "inference_440x1024_tf32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "high", ["auto"], [[]]),
+    "inference_440x1024_bf16": ("forward", "flowformer", 1, [440, 1024], 32, "bf16-mixed", "high", ["auto"], [[]]),
+    "inference_440x1024_fp32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "highest", ["auto"], [[]]),
+    "train_b8_368x496_bf16": ("train", "flowformer", 8, [368, 496], 12, "bf16-mixed", "high", ["auto"], [[]]),
+    "train_b8_368x496_tf32": ("train", "flowformer", 8, [368, 496], 12, "32-true", "high", ["auto"], [[]]),
     "mcva_b24_368x496_bf16": (
-        "pretrain", "flowformer_pp", 24, [368, 496], 12, "bf16-mixed", "high", [None], [["tokenize"]]
+        "pretrain", "flowformer_pp", 24, [368, 496], 12, "bf16-mixed", "high", ["auto"], [["tokenize"]]
     ),
     "inference_1080x1920_tf32": ("forward", "flowformer", 1, [1080, 1920], 12, "32-true", "high", [None, 2], [[]]),
 }
@@ -54,7 +55,7 @@ iters: 2
 warmup: 0
 repeats: 1
 rows:
-  tiny_forward: [bench.mode=forward, "bench.sizes=[[64,96]]"]
+  tiny_forward: [bench.mode=forward, "bench.sizes=[[64,96]]", "bench.memory_budgets_gb=[null]"]
   tiny_train_budget: [bench.mode=train, "bench.sizes=[[64,96]]", "bench.memory_budgets_gb=[null,0.0001]"]
 """
 

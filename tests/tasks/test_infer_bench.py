@@ -182,7 +182,8 @@ def test_infer_and_bench_settings_are_config_groups():
     assert settings == ("/out/flow", 12, "flo", "sintel", "auto")
     cfg = compose_run_config(["task=bench", "bench.sizes=[[432,960]]"])
     assert (cfg.bench.mode, cfg.bench.sizes, cfg.bench.iters) == ("forward", [[432, 960]], 12)
-    assert cfg.bench.precisions == ["32-true"] and cfg.bench.memory_budgets_gb == [None]  # the backbone's: dense
+    # the backbone's, chosen for bench.device when the rows run
+    assert cfg.bench.precisions == ["32-true"] and cfg.bench.memory_budgets_gb == ["auto"]
 
 
 def test_infer_refuses_a_null_checkpoint(tmp_path):
