@@ -237,6 +237,22 @@ def test_a_row_refused_before_its_stages_under_torchrun_keeps_the_processes_in_s
     assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
 
 
+def test_rows_refused_before_their_pipeline_starts_under_torchrun_end_on_every_process(tmp_path):
+    """pipeline.resume naming a sweep directory that holds none of the rows: each row is refused before its
+    pipeline is set up, on rank 0, which tells the other process; so both go through every row rather than
+    rank 1 waiting in row #0 until rank 0 has left ('Connection closed by peer')."""
+    checkout = checkout_with_protocol(tmp_path, "torchrun_not_started", evaluate=False, things=[])
+    (tmp_path / "empty_sweep").mkdir()
+    result = torchrun(
+        checkout, "-m", "task=pipeline", "protocol=torchrun_not_started", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4", f"pipeline.resume={tmp_path / 'empty_sweep'}",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("error: 2 job(s) of this sweep failed") == 1
+    assert "Connection closed by peer" not in output
+
+
 def test_a_row_failing_in_its_stage_under_torchrun_leaves_the_next_row_and_its_evaluation_whole(tmp_path):
     """A row whose stage fails in both processes (an invalid learning rate): rank 1 waits for rank 0 to end that
     row before it reports the failure, so both train the next row; rank 1, done first, ends without an error
