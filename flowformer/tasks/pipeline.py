@@ -46,7 +46,9 @@ every process itself (torchrun, srun), global rank 0 runs the pipeline and the o
 for the whole job and train each stage with the config rank 0 sends them (`follow`); only rank 0 moves folders,
 writes the record and evaluates (each evaluation in a process of its own, outside the process group). A process
 of its own per stage keeps Lightning's launchers as they are (a stage is a plain training run); under torchrun
-and srun the processes exist already, and a new process group per stage on torchrun's store hangs.
+and srun the processes exist already, and a new process group per stage on torchrun's store hangs. In a table
+under such a launcher every process runs the multirun; rank 0 tells the others when a row's stages are over,
+also when the row failed or was refused, so that all of them take the next row together.
 
 Before any work, every stage is composed and the plan logged (stages, steps, global batch, estimated GPU-hours:
 flowformer/tasks/pipeline_plan.py); a global batch that does not divide is refused there. Each stage start is one
@@ -106,6 +108,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -115,6 +118,7 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
@@ -145,6 +149,10 @@ RECORD_VERSION = 1
 # stages get seed, name and logger from pass_through; quickstart.* is the demo's own).
 JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
 _ABSENT = object()
+# The routing probes composed under each Hydra instance (one per `python run.py`, shared by a multirun's jobs), by
+# their overrides with the job's run directory written as RUN_DIR_MARK (`Pipeline.probe`).
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+RUN_DIR_MARK = "<run dir>"
 # The entry point a stage that runs in a process of its own runs (`python run.py <its overrides>`).
 RUN_PY = Path(__file__).resolve().parents[2] / "run.py"
 # What a stage's run writes into its folder for the pipeline when its training ends (StageResult).
@@ -542,15 +550,25 @@ class Pipeline:
     ) -> tuple[DictConfig, list, list]:
         tail = [*handoff, *self.pass_through(output_dir), *through]
         groups = [override for override in self.shared if "." not in override_key(override)]
-        probe = hydra.compose("config", overrides=[*groups, *own, *tail])
+        probe = self.probe([*groups, *own, *tail])
         choices = [override for override in [*self.shared, *self.row] if override_key(override) == "model"]
         if choices and takes(choices[-1], probe):
-            probe = hydra.compose("config", overrides=[*groups, *own, choices[-1], *tail])
+            probe = self.probe([*groups, *own, choices[-1], *tail])
         shared = [override for override in self.shared if takes(override, probe, self.pretraining_only)]
         row = [override for override in self.row if takes(override, probe, self.pretraining_only)]
         dropped = [override for override in [*self.shared, *self.row] if override not in (*shared, *row)]
         overrides = [*shared, *own, *row, *handoff]
         return hydra.compose("config", overrides=[*overrides, *tail]), overrides, dropped
+
+    def probe(self, overrides: list[str]) -> DictConfig:
+        """The config of `overrides` that `takes` routes the shared and row overrides by (its task, its keys),
+        composed once for all the jobs of a multirun: those of the same stage or evaluation differ only in the
+        paths inside their run directories, values no key or task depends on."""
+        probes = _PROBES.setdefault(GlobalHydra.instance().hydra, {})
+        key = tuple(override.replace(str(self.run_dir), RUN_DIR_MARK) for override in overrides)
+        if key not in probes:
+            probes[key] = hydra.compose("config", overrides=overrides)
+        return probes[key]
 
     def run(self) -> dict[str, Any]:
         """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json). Under a
