@@ -85,6 +85,28 @@ def test_tf32_by_default_and_an_inductor_compiled_forward_matches_eager() -> Non
     torch.testing.assert_close(flow, expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_reduce_overhead_cuda_graphs_give_the_eager_flow_and_train(tmp_path) -> None:
+    """runtime.compile_mode=reduce-overhead: inductor with CUDA graphs over the compiled regions. Recorded and
+    replayed forwards (12 iterations, one fixed shape) give the eager flow, and run.py trains with it."""
+    configure_runtime(compose_tiny_config("runtime.matmul_precision=highest").runtime)
+    torch.manual_seed(0)
+    net = build_backbone().eval().cuda()
+    reference = build_backbone().eval().cuda()
+    reference.load_state_dict(net.state_dict())
+    compile_network(net, compose_tiny_config("runtime.compile=true", "runtime.compile_mode=reduce-overhead").runtime)
+    image1, image2 = (torch.rand(1, 3, 64, 96, device="cuda") * 255 for _ in range(2))
+    with torch.no_grad():
+        expected = reference(image1, image2, iters=12)["flow"]
+        for _ in range(3):  # warm-up, recording, replay
+            torch.testing.assert_close(net(image1, image2, iters=12)["flow"], expected, rtol=1e-3, atol=1e-3)
+    run_on_gpu(
+        tmp_path, "debug=tiny", "trainer=gpu", "trainer.max_steps=3", "trainer.val_check_interval=3",
+        "runtime.compile=true", "runtime.compile_mode=reduce-overhead",
+    )
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
 def test_activation_checkpointing_lowers_the_peak_of_a_bf16_training_step() -> None:
     """backbone.activation_checkpoint on CUDA under bf16 autocast: a lower peak of allocated memory and the same
     gradients, up to the rounding of CUDA's atomic-add backward kernels (grid_sample's), which are not bitwise
