@@ -33,10 +33,10 @@ def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
     if dim % 4 != 0:
         raise ValueError(f"positional-code dim must be a multiple of 4, got {dim}")
     freq = torch.linspace(0, dim // 4 - 1, dim // 4, device=xy.device)
-    x, y = xy[..., 0:1], xy[..., 1:2]
     scale = 1 / 200
-    x_angles, y_angles = 3.14 * x * freq * scale, 3.14 * y * freq * scale  # each once, for its sine and cosine
-    return torch.cat([torch.sin(x_angles), torch.cos(x_angles), torch.sin(y_angles), torch.cos(y_angles)], dim=-1)
+    angles = 3.14 * xy[..., None] * freq * scale  # [..., 2 (x, y), dim/4], each once for its sine and cosine
+    # [..., 2 (x, y), 2 (sin, cos), dim/4] -> [..., dim] = [sin ωx, cos ωx, sin ωy, cos ωy]
+    return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-2).flatten(-3)
 
 
 # cuDNN's grid sampler refuses batches this large (CUDNN_STATUS_NOT_SUPPORTED): on an H100, 24 x 46 x 62 =
@@ -52,10 +52,8 @@ def bilinear_sample(maps: Tensor, coords: Tensor) -> Tensor:
     over at most GRID_SAMPLE_MAX_BATCH maps per call.
     """
     height, width = maps.shape[-2:]
-    x, y = coords.split([1, 1], dim=-1)
-    x = 2 * x / (width - 1) - 1
-    y = 2 * y / (height - 1) - 1
-    grid = torch.cat([x, y], dim=-1)
+    # x and y at once, each divided by its own side - 1 (the same float32 division as by a scalar)
+    grid = 2 * coords / coords.new_tensor([width - 1, height - 1]) - 1
     if maps.shape[0] <= GRID_SAMPLE_MAX_BATCH:
         return F.grid_sample(maps, grid, align_corners=True)
     chunks = zip(maps.split(GRID_SAMPLE_MAX_BATCH), grid.split(GRID_SAMPLE_MAX_BATCH))
