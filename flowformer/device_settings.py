@@ -137,20 +137,27 @@ def memory_settings(module: nn.Module) -> dict[str, Any]:
     return {setting: config[setting] for setting in RECORDED_MEMORY_SETTINGS if setting in config}
 
 
-def choose_fused_optimizer(device_kind: str) -> tuple[bool | None, str]:
-    """(the optimiser's `fused` for parameters on a `device_kind` device, why): true where torch has a fused
-    kernel for it (CUDA, the CPU, ...: one pass over all parameters instead of a few kernels per tensor; on 2 CPU
-    cores a 16M-parameter AdamW step took 0.17 s fused, 2.0 s per tensor, 2.3 s foreach), else torch's choice."""
+def choose_fused_optimizer(device_kind: str, precision: str) -> tuple[bool | None, str]:
+    """(the optimiser's `fused` for parameters on a `device_kind` device trained at trainer `precision`, why):
+    true where torch has a fused kernel for it (CUDA, the CPU, ...: one pass over all parameters instead of a few
+    kernels per tensor; on 2 CPU cores a 16M-parameter AdamW step took 0.17 s fused, 2.0 s per tensor, 2.3 s
+    foreach), else torch's choice. Under a mixed precision torch's choice too: Lightning's mixed-precision plugin
+    refuses to clip the gradients of a fused optimiser (it unscales fp16 gradients inside its step)."""
+    if precision.endswith("-mixed"):
+        return None, f"under {precision} Lightning refuses to clip a fused optimiser's gradients: torch's choice"
     if device_kind in _get_fused_kernels_supported_devices():
         return True, f"torch has a fused kernel for {device_kind} parameters"
     return None, f"torch has no fused kernel for {device_kind} parameters: its own choice"
 
 
-def optimizer_device_settings(partial: Mapping[str, Any], device_kind: str, setting: str) -> dict[str, Any]:
-    """{"fused": the choice for parameters on a `device_kind` device} (`choose_fused_optimizer`, logged) when
-    the optimiser partial `partial` (the config `setting`) says `fused: auto`; {} otherwise: the user's value."""
+def optimizer_device_settings(
+    partial: Mapping[str, Any], device_kind: str, precision: str, setting: str
+) -> dict[str, Any]:
+    """{"fused": the choice for parameters on a `device_kind` device at `precision`} (`choose_fused_optimizer`,
+    logged) when the optimiser partial `partial` (the config `setting`) says `fused: auto`; {} otherwise: the
+    user's value."""
     if partial.get("fused") != AUTO:
         return {}
-    fused, why = choose_fused_optimizer(device_kind)
+    fused, why = choose_fused_optimizer(device_kind, precision)
     log.info("%s.fused=auto -> %s (%s; set %s.fused to choose)", setting, fused, why, setting)
     return {"fused": fused}

@@ -285,7 +285,9 @@ class BackboneModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         parameters = self.trainable_parameters()
-        on_device = optimizer_device_settings(self.hparams.optimizer, parameters[0].device.type, "model.optimizer")
+        on_device = optimizer_device_settings(
+            self.hparams.optimizer, parameters[0].device.type, str(self.trainer.precision), "model.optimizer"
+        )
         optimizer = instantiate_partial(self.hparams.optimizer, "model.optimizer", **on_device)(parameters)
         schedule = instantiate_partial(self.hparams.scheduler, "model.scheduler", **self._schedule_length())
         return {

@@ -116,7 +116,7 @@ def build_step(
             return sequence_loss(predictions, flow_gt, valid)[0]
 
     optimizer_cfg = cfg.model.optimizer  # the model's optimiser at a tiny rate, its kernel chosen for the device
-    on_device = optimizer_device_settings(optimizer_cfg, device.type, "model.optimizer")
+    on_device = optimizer_device_settings(optimizer_cfg, device.type, bench.precision, "model.optimizer")
     trainable = [p for p in net.parameters() if p.requires_grad]
     optimizer = hydra.utils.instantiate(optimizer_cfg, lr=1e-6, **on_device)(trainable)
 

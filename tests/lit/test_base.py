@@ -68,7 +68,8 @@ def test_composed_optimiser_and_schedule_are_the_official_adamw_onecycle(recipe)
 
     trainable = [p for p in module.backbone.parameters() if p.requires_grad]
     copies = [torch.nn.Parameter(p.detach().clone()) for p in trainable]
-    fused, _ = choose_fused_optimizer("cpu")  # conf/model/optimizer/adamw.yaml: fused auto, chosen for the CPU
+    # conf/model/optimizer/adamw.yaml: fused auto, chosen for the CPU at the trainer's precision
+    fused, _ = choose_fused_optimizer("cpu", module.trainer.precision)
     expected_optimizer = torch.optim.AdamW(copies, lr=lr, weight_decay=weight_decay, eps=OFFICIAL_EPS, fused=fused)
     expected_scheduler = torch.optim.lr_scheduler.OneCycleLR(
         expected_optimizer, max_lr=lr, total_steps=TOTAL_STEPS, pct_start=OFFICIAL_PCT_START,

@@ -56,9 +56,12 @@ def test_the_choice_for_a_cpu_a_large_gpu_and_a_small_gpu():
         assert choose_memory_settings(device, training=True)["memory_budget_gb"] == (
             None, "training keeps the dense computation"
         )
-    assert choose_fused_optimizer("cuda") == (True, "torch has a fused kernel for cuda parameters")
-    assert choose_fused_optimizer("cpu") == (True, "torch has a fused kernel for cpu parameters")
-    assert choose_fused_optimizer("meta")[0] is None
+    assert choose_fused_optimizer("cuda", "32-true") == (True, "torch has a fused kernel for cuda parameters")
+    assert choose_fused_optimizer("cpu", "32-true") == (True, "torch has a fused kernel for cpu parameters")
+    assert choose_fused_optimizer("meta", "32-true")[0] is None
+    assert choose_fused_optimizer("cuda", "bf16-mixed") == (
+        None, "under bf16-mixed Lightning refuses to clip a fused optimiser's gradients: torch's choice"
+    )
 
 
 @pytest.fixture
@@ -133,7 +136,7 @@ def test_bench_says_what_it_chose_for_the_cpu_and_keeps_a_value_the_user_set(tmp
 def test_training_records_what_it_chose_in_run_info_and_keeps_what_the_user_set(tmp_path):
     """A CPU training run (debug=tiny) chooses tokenize_chunk 512, the dense computation and the fused AdamW,
     says so, records the memory settings in run_info.json and trains with that optimiser; the same command with
-    the user's values keeps them."""
+    the user's values keeps them; under bf16-mixed it trains with torch's AdamW kernel."""
     checkout = fresh_checkout(tmp_path)
     chosen = run_py("debug=tiny", "trainer.max_steps=1", "hydra.run.dir=chosen", cwd=checkout, timeout=600)
     said = chosen.stdout + chosen.stderr
@@ -151,6 +154,12 @@ def test_training_records_what_it_chose_in_run_info_and_keeps_what_the_user_set(
     recorded = {"tokenize_chunk": 64, "memory_budget_gb": 2, "activation_checkpoint": ["decoder"]}
     assert run_info["memory_settings"] == recorded
     assert optimizer_settings(checkout / "kept")["fused"] is None
+
+    # bf16-mixed (trainer=gpu's precision): Lightning would refuse to clip a fused optimiser's gradients
+    mixed = run_py("debug=tiny", "trainer.max_steps=1", "trainer.precision=bf16-mixed", "hydra.run.dir=mixed",
+                   cwd=checkout, timeout=600)
+    assert "model.optimizer.fused=auto -> None (under bf16-mixed Lightning refuses" in mixed.stdout + mixed.stderr
+    assert optimizer_settings(checkout / "mixed")["fused"] is None
 
 
 def optimizer_settings(run_dir: Path) -> dict:
