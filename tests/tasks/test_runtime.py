@@ -193,7 +193,7 @@ def test_two_process_ddp_training_under_compile(tmp_path):
         "debug=tiny", "trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2",
         "trainer.max_steps=2", "trainer.val_check_interval=2", "data.batch_size=1", "runtime.compile=true",
         "runtime.compile_backend=aot_eager", f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1", "TORCH_LOGS": "graph_breaks"}, timeout=300,
+        env={"OMP_NUM_THREADS": "1", "TORCH_LOGS": "graph_breaks"}, timeout=600,
         cwd=fresh_checkout(tmp_path / "checkout"),
     )
     output = result.stdout + result.stderr
