@@ -283,6 +283,24 @@ class BackboneModule(L.LightningModule):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]
 
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
+    ) -> None:
+        """Lightning's clipping (trainer.gradient_clip_val, by norm), except for a fused optimiser under
+        bf16-mixed, whose gradients are clipped here by the same norm: Lightning's mixed-precision plugin refuses
+        every fused optimiser, for 16-mixed, where it unscales the gradients inside its step; bf16 scales none."""
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        if not (fused and gradient_clip_val and self.trainer.precision == "bf16-mixed"):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"trainer.gradient_clip_algorithm={gradient_clip_algorithm}: a fused optimiser under bf16-mixed is "
+                "clipped by norm; set it to norm, or model.optimizer.fused=null"
+            )
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
+        return None
+
     def configure_optimizers(self) -> dict:
         parameters = self.trainable_parameters()
         on_device = optimizer_device_settings(

@@ -9,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -59,8 +60,9 @@ def test_the_choice_for_a_cpu_a_large_gpu_and_a_small_gpu():
     assert choose_fused_optimizer("cuda", "32-true") == (True, "torch has a fused kernel for cuda parameters")
     assert choose_fused_optimizer("cpu", "32-true") == (True, "torch has a fused kernel for cpu parameters")
     assert choose_fused_optimizer("meta", "32-true")[0] is None
-    assert choose_fused_optimizer("cuda", "bf16-mixed") == (
-        None, "under bf16-mixed Lightning refuses to clip a fused optimiser's gradients: torch's choice"
+    assert choose_fused_optimizer("cuda", "bf16-mixed")[0] is True
+    assert choose_fused_optimizer("cuda", "16-mixed") == (
+        None, "under 16-mixed the gradients are clipped before a fused optimiser unscales them: torch's choice"
     )
 
 
@@ -136,7 +138,7 @@ def test_bench_says_what_it_chose_for_the_cpu_and_keeps_a_value_the_user_set(tmp
 def test_training_records_what_it_chose_in_run_info_and_keeps_what_the_user_set(tmp_path):
     """A CPU training run (debug=tiny) chooses tokenize_chunk 512, the dense computation and the fused AdamW,
     says so, records the memory settings in run_info.json and trains with that optimiser; the same command with
-    the user's values keeps them; under bf16-mixed it trains with torch's AdamW kernel."""
+    the user's values keeps them; under bf16-mixed the fused AdamW's step is the unfused one's."""
     checkout = fresh_checkout(tmp_path)
     chosen = run_py("debug=tiny", "trainer.max_steps=1", "hydra.run.dir=chosen", cwd=checkout, timeout=600)
     said = chosen.stdout + chosen.stderr
@@ -155,11 +157,31 @@ def test_training_records_what_it_chose_in_run_info_and_keeps_what_the_user_set(
     assert run_info["memory_settings"] == recorded
     assert optimizer_settings(checkout / "kept")["fused"] is None
 
-    # bf16-mixed (trainer=gpu's precision): Lightning would refuse to clip a fused optimiser's gradients
-    mixed = run_py("debug=tiny", "trainer.max_steps=1", "trainer.precision=bf16-mixed", "hydra.run.dir=mixed",
-                   cwd=checkout, timeout=600)
-    assert "model.optimizer.fused=auto -> None (under bf16-mixed Lightning refuses" in mixed.stdout + mixed.stderr
-    assert optimizer_settings(checkout / "mixed")["fused"] is None
+    # bf16-mixed (trainer=gpu's precision), whose fused optimiser the module clips itself (Lightning's plugin
+    # refuses it): the weights after a clipped step are those of torch's own kernel clipped by Lightning
+    weights = {}
+    for fused in ("auto", "null"):
+        run_py("debug=tiny", "trainer.precision=bf16-mixed", f"model.optimizer.fused={fused}",  # 2 steps
+               f"hydra.run.dir=mixed_{fused}", cwd=checkout, timeout=600)
+        checkpoint = torch.load(checkout / f"mixed_{fused}" / "checkpoints" / "last.ckpt")
+        assert checkpoint["optimizer_states"][0]["param_groups"][0]["fused"] is (True if fused == "auto" else None)
+        weights[fused] = checkpoint["state_dict"]
+    for key, value in weights["null"].items():
+        torch.testing.assert_close(weights["auto"][key], value, rtol=0, atol=1e-6)
+
+
+def test_under_bf16_mixed_the_module_clips_a_fused_optimisers_gradients():
+    """Lightning's mixed-precision plugin refuses to clip a fused optimiser's gradients (for 16-mixed, where the
+    optimiser unscales them in its step); under bf16-mixed the module clips them itself, to the trainer's norm."""
+    model = build_model(compose_tiny_config("trainer=cpu"))
+    model.trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=2, logger=False)
+    optimizer = model.configure_optimizers()["optimizer"]
+    assert optimizer.param_groups[0]["fused"] is True
+    for parameter in model.trainable_parameters():
+        parameter.grad = torch.full_like(parameter, 10.0)
+    model.configure_gradient_clipping(optimizer, gradient_clip_val=1.0)
+    norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in model.trainable_parameters()])
+    assert torch.linalg.vector_norm(norms).item() == pytest.approx(1.0, rel=1e-5)
 
 
 def optimizer_settings(run_dir: Path) -> dict:
