@@ -64,6 +64,7 @@ from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
 from flowformer.tasks import bench_data
 from flowformer.tasks.runtime import (
+    InferenceContext,
     autocast_context,
     compile_network,
     configure_runtime,
@@ -90,7 +91,7 @@ def build_step(
         net = load_network(cfg.backbone, None, device)  # timing only: random weights
 
         def forward() -> None:
-            with torch.inference_mode(), autocast_context(device, bench.precision, "bench.precisions"):
+            with InferenceContext(device, bench.precision, "bench.precisions"):
                 net(image1, image2, iters=bench.iters)
 
         return net, forward
@@ -159,8 +160,11 @@ def count_operators(cfg: DictConfig, net: nn.Module, step: Callable[[], None], i
     device = images[0].device
 
     def forward(iters: int) -> None:
-        grad = torch.inference_mode() if bench.mode == "forward" else torch.enable_grad()
-        with grad, autocast_context(device, bench.precision, "bench.precisions"):
+        if bench.mode == "forward":
+            with InferenceContext(device, bench.precision, "bench.precisions"):
+                net(*images, iters=iters)
+            return
+        with torch.enable_grad(), autocast_context(device, bench.precision, "bench.precisions"):
             net(*images, iters=iters)
 
     step()

@@ -52,7 +52,7 @@ from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
-    autocast_context,
+    InferenceContext,
     compile_network,
     load_network,
     pair_progress,
@@ -115,7 +115,7 @@ def evaluate_set(
         for index, item in enumerate(progress.track(loader, total=count, description=name)):
             image1 = item["img1"][None].to(device)  # [1,3,H,W]
             image2 = item["img2"][None].to(device)
-            with torch.inference_mode(), autocast_context(device, precision, "eval.precision"):
+            with InferenceContext(device, precision, "eval.precision"):
                 if warm is None:
                     flow = protocol.predict(net, image1, image2)["flow"]  # [1,2,H,W] fp32
                 else:

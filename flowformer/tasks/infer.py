@@ -42,7 +42,7 @@ from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.tasks.preemption import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
 from flowformer.tasks.runtime import (
-    autocast_context,
+    InferenceContext,
     compile_network,
     load_network,
     pair_progress,
@@ -156,16 +156,17 @@ def check_settings(settings: DictConfig) -> None:
 
 
 def prepare_network(cfg: DictConfig) -> tuple[torch.device, AbstractContextManager, nn.Module]:
-    """(device, autocast context, the network loaded from infer.checkpoint, bounded and compiled as set)."""
+    """(device, inference context (`InferenceContext`), the network loaded from infer.checkpoint, bounded and
+    compiled as set)."""
     settings = cfg.infer
     device = pick_device(settings.device)
     precision = settings.precision
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
-    autocast = autocast_context(device, precision, "infer.precision")
+    inference = InferenceContext(device, precision, "infer.precision")
     net = load_network(cfg.backbone, settings.checkpoint, device)
     compile_network(net, cfg.runtime)
-    return device, autocast, net
+    return device, inference, net
 
 
 @contextmanager
@@ -222,7 +223,7 @@ def predict_pairs(
     """The flow of each consecutive pair of `frames` (`names`, `count` of them) into `output_dir`, as
     infer.* says; returns the number of pairs written."""
     settings = cfg.infer
-    device, autocast, net = prepare_network(cfg)
+    device, inference, net = prepare_network(cfg)
     protocol = Protocol(iters=settings.iters, pad_mode=settings.pad_mode)  # task=eval's padding, no scoring
 
     video = None
@@ -246,7 +247,7 @@ def predict_pairs(
                     f"infer.input: frame {names[index + 1]} is {tuple(current.shape[-2:])}, but frame "
                     f"{names[index]} is {tuple(previous.shape[-2:])}; all frames must have one size"
                 )
-            with torch.inference_mode(), autocast:
+            with inference:
                 if warm_start is None:
                     output = protocol.predict(net, previous, current)
                 else:  # the frames are one sequence

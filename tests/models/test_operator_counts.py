@@ -17,13 +17,15 @@ from helpers.compose import compose_tiny_config
 # tiny backbone, one 64x96 pair, 2 decoder iterations, fp32, dense, on the CPU, torch 2.x
 FORWARD_OPERATORS_PER_DECODER_ITERATION = 111  # inference (bench.mode=forward); 128 before issue 35
 TRAINING_OPERATORS_PER_DECODER_ITERATION = 167  # the training forward; 188 before issue 35
+# inference under bf16-mixed autocast: 158 when inference_mode made autocast cast every weight at every call
+BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 147
 # forward, sequence loss, backward, clipping, AdamW (its foreach kernel on the CPU); 4657 before issue 35
 TRAINING_OPERATORS_PER_STEP = 2519
 
 
-def counts(mode: str) -> dict:
+def counts(mode: str, precision: str = "32-true") -> dict:
     cfg = bench.row_config(
-        compose_tiny_config("bench.device=cpu", f"bench.mode={mode}", "bench.iters=2"), [64, 96], None, "32-true"
+        compose_tiny_config("bench.device=cpu", f"bench.mode={mode}", "bench.iters=2"), [64, 96], None, precision
     )
     torch.manual_seed(0)
     images = (torch.rand(1, 3, 64, 96) * 255, torch.rand(1, 3, 64, 96) * 255)
@@ -37,6 +39,12 @@ def counts(mode: str) -> dict:
 )
 def test_operators_per_decoder_iteration_are_pinned(mode, per_iteration):
     assert counts(mode)["operators_per_decoder_iteration"] == per_iteration
+
+
+def test_bf16_inference_casts_each_weight_once_per_forward():
+    assert counts("forward", "bf16-mixed")["operators_per_decoder_iteration"] == (
+        BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION
+    )
 
 
 def test_operators_per_training_step_are_pinned():

@@ -55,6 +55,19 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
     assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
 
 
+def test_infer_under_bf16_mixed_writes_every_pair_of_a_folder(tmp_path, checkpoint):
+    """One inference context (no autograd, bf16 autocast) entered again for each pair."""
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(frames(3)):
+        cv2.imwrite(str(folder / f"f{i:02d}.png"), frame)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=2", "infer.device=cpu", "infer.precision=bf16-mixed", "infer.save_video=false"))
+    flows = [read_flo(out / f"f0{i}.flo") for i in range(2)]
+    assert all(flow.shape == (HEIGHT, WIDTH, 2) and np.isfinite(flow).all() for flow in flows)
+
+
 def test_a_jpeg_pair_tagged_on_its_side_gets_its_flow_as_viewers_show_it(tmp_path, checkpoint):
     """JPEGs stored 50x70 with EXIF orientation 6 (turn 90 degrees clockwise) show as 70x50: their flow and
     flow picture are 70x50."""
