@@ -3,11 +3,13 @@ consistently, a paper_* sweep's jobs are exactly its table's rows and each job's
 overrides, the MCVA grids (conf/sweep/mcva_*.yaml) cover their tables, and the README's smoke command of every
 table sweep, `python run.py -m task=pipeline protocol=smoke sweep=<table>`, trains every row to the end through
 a smoke version of the table's own protocol, each row with its own results (one table from a fresh checkout in
-a subprocess, the others in this process: the same run.py, without an interpreter's start-up per table)."""
+a subprocess, the others in this process: the same run.py, without an interpreter's start-up per table), and
+one table's stages with the configs that their recorded overrides compose."""
 
 import itertools
 import json
 import math
+from pathlib import Path
 
 import hydra
 import pytest
@@ -16,7 +18,7 @@ import yaml
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from flowformer.tasks.pipeline import first_epe, read_stages
+from flowformer.tasks.pipeline import first_epe, path_value, read_stages
 from flowformer.tasks.report import PAPER_COLUMNS, PARAMS_KEY, override_values
 
 from helpers.compose import compose_run_config
@@ -29,6 +31,11 @@ PAPER_SWEEPS = sorted(path.stem for path in (CONF_DIR / "sweep").glob("paper_*.y
 TABLE_SWEEPS = [*PAPER_SWEEPS, *sorted(path.stem for path in (CONF_DIR / "sweep").glob("mcva_*.yaml"))]
 # the table whose smoke command runs as a user types it, in a fresh checkout
 IN_A_FRESH_CHECKOUT = "paper_agt_mlp_conv"
+# the table whose jobs' stages are also composed from their records (`assert_trained_as_composed`): its rows
+# differ in the pretraining objective (model=unsup or MCVA), which only the pretraining stage takes
+COMPOSED_FROM_RECORDS = "paper_unsupervised"
+# the sections of a stage's config that the routing of the shared and row overrides decides
+ROUTED = ("task", "backbone", "model", "trainer", "data")
 
 
 def read_table(name: str) -> dict:
@@ -180,6 +187,19 @@ def job_results(record: dict) -> tuple:
     return (*losses, *(first_epe(evaluation["results_json"]) for evaluation in record["evaluations"]))
 
 
+def assert_trained_as_composed(record: dict) -> None:
+    """Every stage of a job of a multirun, whose jobs share the probes that route their rows (`Pipeline.probe`),
+    trained with the config that `python run.py <the stage's recorded overrides>` composes."""
+    pretraining = record["stages"][0]["overrides"]
+    assert ("model=unsup" in pretraining) == ("model=unsup" in record["row"])
+    for stage in record["stages"]:
+        ran = yaml.safe_load((Path(stage["dir"]) / "config_resolved.yaml").read_text())
+        composed = compose_run_config([*stage["overrides"], f"paths.output_dir={path_value(stage['dir'])}"])
+        for key in ROUTED:
+            section = OmegaConf.to_container(composed[key], resolve=True) if key != "task" else composed.task
+            assert ran[key] == section, (stage["dir"], key)
+
+
 @pytest.fixture
 def one_torch_thread():
     """torch on one thread while the table runs: its tiny networks take longer on two threads of two shared
@@ -212,6 +232,9 @@ def test_the_smoke_command_of_a_table_trains_every_row_through_its_protocol(swee
         if "backbone.decoder_query=pe" in record["row"]:  # the query of pretraining only: finetuning has the method's
             assert ["backbone.decoder_query=pe" in stage["overrides"] for stage in record["stages"]] == [True, False, False]
     assert len({job_results(record) for record in records}) == len(records)  # every row its own results
+    if sweep == COMPOSED_FROM_RECORDS:
+        for record in records:
+            assert_trained_as_composed(record)
     if sweep in PAPER_SWEEPS:  # each job's record has its row's overrides as written: task=report's match
         rows = {tuple(row["overrides"]) for row in read_table(sweep)["rows"].values()}  # paper_tile's are one
         assert sorted(record["row"] for record in records) == sorted(map(list, rows))
