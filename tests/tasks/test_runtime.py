@@ -1,5 +1,5 @@
 """The `runtime` settings of every task that runs the network: `runtime.matmul_precision` (TF32 on a GPU, CPU
-numbers unchanged), `runtime.cpu_mmap_threshold_mb` (freed CPU tensors go back to the OS) and `runtime.compile` (torch.compile of the network's stages in train, eval and bench, with
+numbers unchanged), `runtime.cpu_mmap_threshold_mb` (freed CPU tensors go back to the OS) and `runtime.compile` (torch.compile of the network's repeated regions in train, eval and bench, with
 plain checkpoint keys and the compile time in bench's rows). Compiling uses a cheap backend here (inductor takes
 minutes on 2 CPU cores); inductor on a GPU is in tests/test_gpu.py."""
 
