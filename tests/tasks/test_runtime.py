@@ -191,7 +191,7 @@ def test_two_process_ddp_training_under_compile(tmp_path):
     run_dir = tmp_path / "run"
     result = run_py(
         "debug=tiny", "trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2",
-        "trainer.max_steps=2", "trainer.val_check_interval=2", "data.batch_size=1", "runtime.compile=true",
+        "trainer.max_steps=2", "trainer.limit_val_batches=0", "data.batch_size=1", "runtime.compile=true",
         "runtime.compile_backend=aot_eager", f"hydra.run.dir={run_dir}",
         env={"OMP_NUM_THREADS": "1", "TORCH_LOGS": "graph_breaks"}, timeout=600,
         cwd=fresh_checkout(tmp_path / "checkout"),
