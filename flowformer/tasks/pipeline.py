@@ -517,6 +517,13 @@ class Pipeline:
     def save(self) -> None:
         atomic_write_text(self.run_dir / RECORD, json.dumps(self.record, indent=2))
 
+    def continuation(self) -> str:
+        """What continues this pipeline: pipeline.resume=<its run dir>; in a table (a multirun, whatever its
+        launcher), the table's command with pipeline.resume=<its sweep dir>, where each row finds its own."""
+        if in_multirun():
+            return f"the table's command and pipeline.resume={self.run_dir.parent}"
+        return f"pipeline.resume={self.run_dir}"
+
     def pass_through(self, output_dir: Path) -> list[str]:
         """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline; with
         wandb, the run's job type is its folder's name (the stage, or eval_<label>)."""
@@ -652,9 +659,7 @@ class Pipeline:
         resuming = f", resuming from {resume_from}" if resume_from is not None else ""
         log.info("pipeline: %s (task=%s) in %s%s", where, stage_cfg.task, stage_dir, resuming)
         with self.attempt(entry, where):
-            checkpoint, metrics = train_stage(
-                stage_cfg, command, f"pipeline {where}", f"pipeline.resume={self.run_dir}", self.launched
-            )
+            checkpoint, metrics = train_stage(stage_cfg, command, f"pipeline {where}", self.continuation(), self.launched)
         entry.update(checkpoint=str(checkpoint), checkpoint_sha256=file_sha256(checkpoint), metrics=metrics)
         self.save()
         return checkpoint
@@ -725,14 +730,14 @@ class Pipeline:
         def stopped(signum: signal.Signals) -> str:
             return (
                 f"pipeline {where} stopped by {signum.name}: the finished stages are kept in {self.run_dir} "
-                f"({RECORD}); continue with pipeline.resume={self.run_dir}, which runs {where} again"
+                f"({RECORD}); continue with {self.continuation()}, which runs {where} again"
             )
 
         with self.attempt(entry, where), stopping_at_once(stopped):
             if self.launched:  # alone, outside the process group the launcher's other processes have left
                 command = [sys.executable, str(RUN_PY), *overrides, *self.pass_through(eval_dir)]
                 command += [*config_overrides("backbone", eval_cfg.backbone), f"hydra.run.dir={path_value(eval_dir)}"]
-                run_child(command, f"pipeline {where}", f"pipeline.resume={self.run_dir}")
+                run_child(command, f"pipeline {where}", self.continuation())
             else:
                 eval_task.run(eval_cfg)
         return first_epe(entry["results_json"])
@@ -772,7 +777,7 @@ class Pipeline:
                 error_line = f"{type(cause).__name__}: {error_line}"
             raise PipelineStageError(
                 f"pipeline {where} failed: {error_line}; the finished stages are kept in {self.run_dir} "
-                f"({RECORD}); continue with pipeline.resume={self.run_dir}"
+                f"({RECORD}); continue with {self.continuation()}"
             ) from error
         finally:
             entry.update(status=status, error=error_line, wall_s=(entry["wall_s"] or 0.0) + time.monotonic() - start)

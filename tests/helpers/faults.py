@@ -141,3 +141,23 @@ class FillDiskAtFitEnd(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, *args) -> None:
         fill_disk(self.folder)
+
+
+class KillRankZeroOnceAtStep(L.Callback):
+    """SIGKILL global rank 0 of a training run when the batch after `step` optimiser steps starts, unless
+    `marker` exists (created first, exclusively: of the runs that share it, one is killed): a stage's main
+    process killed mid-way (the OOM killer), the processes around it left to notice. Safe beside other jobs:
+    it signals no process group."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step = step
+        self.marker = Path(marker)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != 0:
+            return
+        try:
+            self.marker.touch(exist_ok=False)
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)

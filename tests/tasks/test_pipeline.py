@@ -88,7 +88,8 @@ def test_a_failing_stage_stops_its_pipeline_in_one_line_and_keeps_the_finished_s
     assert "batch_size" in failed["stages"][1]["error"]
     [job] = failed_jobs(sweep_dir)
     assert job["error"].startswith("error (PipelineStageError): pipeline stage 2/3 chairs failed: ValueError:")
-    assert f"pipeline.resume={jobs[1]}" in job["error"] and "\n" not in job["error"]
+    assert f"continue with the table's command and pipeline.resume={sweep_dir}" in job["error"]
+    assert "\n" not in job["error"]
     assert "Traceback" not in result.stderr
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowformer.tasks.sweeps import failed_jobs
+
 from helpers.configs import REPO_DIR
 from helpers.run import fresh_checkout, run_py
 
@@ -186,6 +188,43 @@ def test_a_table_through_hydras_submitit_launcher_runs_each_row_as_a_job(tmp_pat
         assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
         assert not [path for path in job.iterdir() if path.name.endswith(".interrupted")]
         assert torch.load(job / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_a_stage_of_a_submitit_table_killed_mid_way_resumes_with_pipeline_resume(tmp_path):
+    """A table under `hydra/launcher=submitit_local`, one row's DDP stage killed (SIGKILL to its rank 0) during
+    step 2: that row fails, the other finishes, the table ends with status 1. The table's command again with
+    pipeline.resume=<sweep dir> keeps the finished row and resumes the killed stage from its last.ckpt."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason='pip install -e ".[slurm]"')
+    kill = f"+callbacks.kill={{_target_:helpers.faults.KillRankZeroOnceAtStep,step:1,marker:'{tmp_path / 'killed'}'}}"
+    last_every_step = ["callbacks.last_checkpoint.every_n_train_steps=1", kill]
+    checkout = checkout_with_protocol(tmp_path, "submitit_killed", evaluate=False, things=last_every_step)
+    command = (
+        "-m", "task=pipeline", "protocol=submitit_killed", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4", "hydra/launcher=submitit_local",
+    )
+    killed = run_py(*command, cwd=checkout, env=ENV, timeout=900, expect_ok=False)
+    output = killed.stdout + killed.stderr
+    assert killed.returncode == 1, output[-4000:]
+    sweep, jobs = sweep_jobs(checkout, "submitit_killed")
+    statuses = {job: record(job)["stages"][0]["status"] for job in jobs}
+    [stopped] = [job for job, status in statuses.items() if status == "failed"]
+    [finished] = [job for job, status in statuses.items() if status == "done"]
+    assert f"1 job(s) of this sweep failed: #{stopped.name.split('_')[0]}" in output
+    assert "its training run killed by SIGKILL" in record(stopped)["stages"][0]["error"]
+    [failure] = failed_jobs(sweep)  # where the table's last line points
+    assert failure["error"].endswith(f"continue with the table's command and pipeline.resume={sweep}")
+
+    resumed = run_py(*command, f"pipeline.resume={sweep}", cwd=checkout, env=ENV, timeout=900, expect_ok=False)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    for job in jobs:
+        done = record(job)
+        assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
+        assert torch.load(done["stages"][0]["checkpoint"], weights_only=True)["global_step"] == 2
+    assert record(finished)["stages"][0]["resumed_from"] == []
+    interrupted = stopped / "things.interrupted" / "checkpoints" / "last.ckpt"
+    assert record(stopped)["stages"][0]["resumed_from"] == [str(interrupted)]
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 1
 
 
 def sweep_jobs(checkout: Path, name: str) -> tuple[Path, list[Path]]:
