@@ -58,11 +58,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowformer.device_settings import device_memory_settings, optimizer_device_settings
-from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
-from flowformer.tasks import bench_data
 from flowformer.tasks.runtime import (
     InferenceContext,
     autocast_context,
@@ -97,6 +95,9 @@ def build_step(
         return net, forward
 
     if bench.mode == "pretrain":
+        # Lightning, which the forward and train rows' processes start without.
+        from flowformer.lit.mcva import MCVAPretrainModule
+
         if not issubclass(hydra.utils.get_class(cfg.model._target_), MCVAPretrainModule):
             raise ValueError("bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)")
         backbone = device_memory_settings(cfg.model.backbone, device, training=True)
@@ -428,6 +429,9 @@ def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
 
 def run(cfg: DictConfig) -> float:
     if cfg.bench.mode == "data":  # the training loader of cfg.data, not a step of the network
+        # Lightning's data modules, which the rows' processes start without.
+        from flowformer.tasks import bench_data
+
         return bench_data.run(cfg, machine())
     output_dir = Path(cfg.paths.output_dir)
     configs = named_configs(cfg, list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [])

@@ -136,18 +136,15 @@ from flowformer.models.output_files import atomic_write_text
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
-from flowformer.tasks.preemption import STOP_SIGNALS, StoppedBySignal, stopping_at_once
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.sweeps import in_multirun
+from flowformer.tasks.stop_signals import STOP_SIGNALS, StoppedBySignal, stopping_at_once
+from flowformer.tasks.sweeps import JOB_KEYS, in_multirun, override_key
 from flowformer.tasks.train import fit
 
 log = logging.getLogger(__name__)
 
 RECORD = "pipeline.json"
 RECORD_VERSION = 1
-# The first part of the keys of a job's overrides that set up the pipeline job itself, not a table row (the
-# stages get seed, name and logger from pass_through; quickstart.* is the demo's own).
-JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
 _ABSENT = object()
 # The routing probes composed under each Hydra instance (one per `python run.py`, shared by a multirun's jobs), by
 # their overrides with the job's run directory written as RUN_DIR_MARK (`Pipeline.probe`).
@@ -203,11 +200,6 @@ def read_stages(settings: DictConfig) -> list[Stage]:
             "they must be distinct plain folder names (no '/', not starting with eval_)"
         )
     return stages
-
-
-def override_key(override: str) -> str:
-    """`model.mask_ratio` of `model.mask_ratio=0.7` (also of `+key=...`, `++key=...`, `~key`)."""
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def row_overrides(cfg: DictConfig) -> list[str]:

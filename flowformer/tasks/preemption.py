@@ -17,9 +17,7 @@ signal's number (143 for SIGTERM, 138 for SIGUSR1), so a scheduler sees a failur
   its `ckpt_path` to the `last.ckpt` the job's previous run recorded (:func:`record_for_requeue`), so it
   continues exactly as `ckpt_path=<that file>` would (Lightning's `hpc_ckpt_<n>.ckpt`, written in the middle
   of a step, is not used).
-- task=infer stops at the end of the image pair in progress (:class:`StopSignals`).
-- A pipeline's evaluation stops at once (:func:`stopping_at_once`): it has nothing to save midway, and a
-  resumed pipeline runs it again.
+- task=infer and a pipeline's evaluation stop with flowformer/tasks/stop_signals.py, which imports no Lightning.
 """
 
 from __future__ import annotations
@@ -29,12 +27,11 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, Self
+from typing import Any
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
@@ -43,63 +40,9 @@ from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
+from flowformer.tasks.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children
 
 log = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class StoppedBySignal(SystemExit):
-    """A run stopped by a stop signal once its work so far was saved: the process exits with status 128 + the
-    signal's number; `message` is the line the run logs."""
-
-    def __init__(self, signum: signal.Signals, message: str) -> None:
-        super().__init__(128 + int(signum))
-        self.message = message
-
-
-class StopSignals:
-    """``with StopSignals() as stop:`` SIGTERM and SIGUSR1 set ``stop.received`` (the first one) instead of
-    ending the process, for work that stops at a safe point of its own; the handlers before are put back."""
-
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-
-    def __enter__(self) -> Self:
-        for signum in STOP_SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._note)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _note(self, signum: int, frame: FrameType | None) -> None:
-        self.received = self.received or signal.Signals(signum)
-
-
-@contextmanager
-def stopping_at_once(stopped: Callable[[signal.Signals], str]) -> Iterator[None]:
-    """``with stopping_at_once(line):`` the first SIGTERM or SIGUSR1 raises StoppedBySignal (its line:
-    ``line(signal)``) wherever the main thread is, for work with nothing to save midway (files are written
-    atomically, so none is left half-written); later ones are ignored. Processes forked meanwhile (DataLoader
-    workers) ignore both; the handlers before are put back."""
-    received: list[signal.Signals] = []
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        if not received:
-            received.append(signal.Signals(signum))
-            raise StoppedBySignal(received[0], stopped(received[0]))
-
-    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
-    _forked_children.ignore_stop_signals = True
-    try:
-        yield
-    finally:
-        _forked_children.ignore_stop_signals = False
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 class Preemption(L.Callback):
@@ -116,7 +59,7 @@ class Preemption(L.Callback):
         self.received: signal.Signals | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        _forked_children.ignore_stop_signals = True
+        forked_children.ignore_stop_signals = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         lightning_sigterm = signal.getsignal(signal.SIGTERM)
@@ -137,10 +80,10 @@ class Preemption(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        _forked_children.ignore_stop_signals = False
+        forked_children.ignore_stop_signals = False
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        _forked_children.ignore_stop_signals = False
+        forked_children.ignore_stop_signals = False
 
 
 def _cannot_requeue(stop: Callable[[FrameType | None], Any], frame: FrameType | None) -> None:
@@ -153,22 +96,6 @@ def _cannot_requeue(stop: Callable[[FrameType | None], Any], frame: FrameType | 
         os.environ.get("PATH", ""),
     )
     stop(frame)
-
-
-class _ForkedChildren:
-    """Whether a child forked now ignores the stop signals (the hook runs in every child of an ``os.fork``)."""
-
-    def __init__(self) -> None:
-        self.ignore_stop_signals = False
-        os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self) -> None:
-        if self.ignore_stop_signals:
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, signal.SIG_IGN)
-
-
-_forked_children = _ForkedChildren()
 
 
 def stopped_training(trainer: L.Trainer) -> StoppedBySignal:

@@ -4,6 +4,9 @@ A job that fails is reported as a single run's error is (one line on stderr and 
 one JSON line in ``<sweep dir>/failed_jobs.jsonl`` (job number, overrides, the error line, its directory) and
 hands the sweeper NaN, never a best value; the sweep goes on with the next job. :class:`FailedJobsReport` (a
 Hydra callback, ``conf/hydra/default.yaml``) names the failed jobs when the sweep ends and exits with status 1.
+
+Every run imports this module (the Hydra callback); it loads Lightning only to learn a process's rank when a
+job failed or a sweep ends, so the tasks that never train (report, convert, eval, infer) start without it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 FAILED_JOBS = "failed_jobs.jsonl"
+# The first part of the keys of a job's overrides that set up a pipeline job itself, not a table row (its
+# stages get seed, name and logger from Pipeline.pass_through; quickstart.* is the demo's own).
+JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
+
+
+def override_key(override: str) -> str:
+    """`model.mask_ratio` of `model.mask_ratio=0.7` (also of `+key=...`, `++key=...`, `~key`)."""
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def in_multirun() -> bool:
@@ -27,10 +37,18 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-@rank_zero_only
+def global_rank_zero() -> bool:
+    """Whether this process is global rank 0, as Lightning counts ranks (under a launcher, or alone)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return rank_zero_only.rank == 0
+
+
 def record_failed_job(error_line: str) -> None:
-    """Appends this job (its number, overrides, error line and directory, null when it was removed as unused)
-    to the sweep's failed_jobs.jsonl."""
+    """On global rank 0, appends this job (its number, overrides, error line and directory, null when it was
+    removed as unused) to the sweep's failed_jobs.jsonl."""
+    if not global_rank_zero():
+        return
     hydra_cfg = HydraConfig.get()
     record = {
         "job": hydra_cfg.job.num,
@@ -55,10 +73,9 @@ class FailedJobsReport(Callback):
     a launcher (torchrun, srun) every process runs the sweep and global rank 0 alone reports: another process
     ending with status 1 first would make the launcher stop rank 0, still evaluating its last row."""
 
-    @rank_zero_only
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = failed_jobs(config.hydra.sweep.dir)
-        if failed:
+        if failed and global_rank_zero():
             jobs = ", ".join(f"#{record['job']} ({' '.join(record['overrides'])})" for record in failed)
             path = Path(config.hydra.sweep.dir) / FAILED_JOBS
             print(

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from flowformer.tasks import pipeline
-from flowformer.tasks.preemption import StoppedBySignal
+from flowformer.tasks.stop_signals import StoppedBySignal
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import CONF_DIR

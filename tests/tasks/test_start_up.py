@@ -1,6 +1,7 @@
 """What a run pays for before it starts: `python run.py` imports the libraries of the parts it builds. A run that
 builds neither a Twins encoder nor a ConvNeXt cost layer (timm) nor the unsupervised loss (kornia), and logs to
-CSV (wandb), imports none of them: about a second of every run's start-up."""
+CSV (wandb), imports none of them: about a second of every run's start-up. A task that never trains (eval, report,
+infer, convert, bench's forward rows) imports no Lightning either: two seconds of CPU time."""
 
 from helpers.run import fresh_checkout, run_py
 
@@ -18,3 +19,23 @@ def test_a_tiny_training_run_imports_neither_timm_nor_kornia_nor_wandb(tmp_path)
     imported = imported_packages(result.stderr)
     assert {"torch", "lightning", "hydra"} <= imported  # what it trains with, as the report shows it
     assert not {"timm", "kornia", "wandb"} & imported
+
+
+def test_an_evaluation_and_its_report_import_no_lightning(tmp_path):
+    checkout = fresh_checkout(tmp_path)
+    profile = {"PYTHONPROFILEIMPORTTIME": "1"}
+    evaluation = run_py(
+        "task=eval",
+        "backbone=tiny",
+        "eval=synthetic",
+        "eval.max_samples=1",
+        "eval.benchmarks.synthetic.iters=2",
+        cwd=checkout,
+        env=profile,
+    )
+    runs = checkout / "logs" / "eval" / "default" / "runs"
+    report = run_py("task=report", f"report.runs={runs}", cwd=checkout, env=profile)
+    assert "report: 1 jobs: 1 done" in report.stdout
+    for result in (evaluation, report):
+        imported = imported_packages(result.stderr)
+        assert {"torch", "hydra"} <= imported and "lightning" not in imported

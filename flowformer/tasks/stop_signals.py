@@ -1,0 +1,86 @@
+"""Stop signals (SIGTERM, SIGUSR1) for work that is not a Lightning training run: task=infer stops at the end
+of the image pair in progress (:class:`StopSignals`); a pipeline's evaluation stops at once
+(:func:`stopping_at_once`): it has nothing to save midway, and a resumed pipeline runs it again. Either way the
+run exits with status 128 + the signal's number (:class:`StoppedBySignal`). Training's handling builds on these
+(flowformer/tasks/preemption.py); this module imports no Lightning, so the tasks that never train start without
+it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, Self
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedBySignal(SystemExit):
+    """A run stopped by a stop signal once its work so far was saved: the process exits with status 128 + the
+    signal's number; `message` is the line the run logs."""
+
+    def __init__(self, signum: signal.Signals, message: str) -> None:
+        super().__init__(128 + int(signum))
+        self.message = message
+
+
+class StopSignals:
+    """``with StopSignals() as stop:`` SIGTERM and SIGUSR1 set ``stop.received`` (the first one) instead of
+    ending the process, for work that stops at a safe point of its own; the handlers before are put back."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> Self:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signal.Signals(signum)
+
+
+@contextmanager
+def stopping_at_once(stopped: Callable[[signal.Signals], str]) -> Iterator[None]:
+    """``with stopping_at_once(line):`` the first SIGTERM or SIGUSR1 raises StoppedBySignal (its line:
+    ``line(signal)``) wherever the main thread is, for work with nothing to save midway (files are written
+    atomically, so none is left half-written); later ones are ignored. Processes forked meanwhile (DataLoader
+    workers) ignore both; the handlers before are put back."""
+    received: list[signal.Signals] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if not received:
+            received.append(signal.Signals(signum))
+            raise StoppedBySignal(received[0], stopped(received[0]))
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    forked_children.ignore_stop_signals = True
+    try:
+        yield
+    finally:
+        forked_children.ignore_stop_signals = False
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class ForkedChildren:
+    """Whether a child forked now ignores the stop signals (the hook runs in every child of an ``os.fork``)."""
+
+    def __init__(self) -> None:
+        self.ignore_stop_signals = False
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        if self.ignore_stop_signals:
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+
+
+forked_children = ForkedChildren()
