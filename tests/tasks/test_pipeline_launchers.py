@@ -222,6 +222,9 @@ def test_a_stage_of_a_submitit_table_killed_mid_way_resumes_with_pipeline_resume
         assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
         assert torch.load(done["stages"][0]["checkpoint"], weights_only=True)["global_step"] == 2
     assert record(finished)["stages"][0]["resumed_from"] == []
+    [again] = [path for path in sweep.parent.iterdir() if path != sweep]
+    job_logs = [path.read_text() for path in (again / ".submitit").glob("*/*_log.err")]
+    assert len(job_logs) == 2 and sum("MEMBER: 2/2" in text for text in job_logs) == 1  # the killed row alone trains
     interrupted = stopped / "things.interrupted" / "checkpoints" / "last.ckpt"
     assert record(stopped)["stages"][0]["resumed_from"] == [str(interrupted)]
     assert torch.load(interrupted, weights_only=True)["global_step"] == 1
