@@ -6,6 +6,7 @@ The refinement loop (`RecurrentRefinement`) is shared with RAFT's decoder (flowf
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -272,20 +273,57 @@ class RecurrentRefinement(nn.Module):
 
     A subclass sets `update_block` (an UpdateBlock), `att` (a GMAAttention, only with global motion),
     `decoder_dim` and `checkpoint_iterations`, and says how the context becomes the GRU state and input
-    (`split_context`)."""
+    (`split_context`) and what an iteration reads at the target positions (`correlation`).
+
+    One iteration is one method (`iteration`) of tensors, the cost source and two flags, so `compile_iteration`
+    compiles it once for every iteration and every forward of the same shapes (a second graph for the
+    upsampling iteration when the others skip it)."""
 
     decoder_dim: int
     checkpoint_iterations: bool
     kind = "cost memory decoder"
     min_image_side = 0  # the image encoders' limits are the decoder's
+    compiled_iteration: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]] | None = None
 
     def split_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """context [B, C, H1, W1] -> (GRU state, GRU context input), each [B, decoder_dim, H1, W1]."""
         raise NotImplementedError
 
+    def correlation(self, source: Any, coords1: Tensor) -> Tensor:
+        """The update block's correlation input [B, corr_dim, H1, W1] read from `source` (what the subclass's
+        forward passes to `refine`) at the target positions coords1 [B, 2, H1, W1]."""
+        raise NotImplementedError
+
+    def compile_iteration(self, backend: str, mode: str) -> None:
+        """torch.compile `iteration` (`runtime.compile`): `refine` then runs every iteration compiled."""
+        self.compiled_iteration = torch.compile(self.iteration, backend=backend, mode=mode)
+
+    def iteration(
+        self,
+        source: Any,
+        net: Tensor,
+        inp: Tensor,
+        attention: Tensor | ChunkedAttention | None,
+        coords0: Tensor,
+        coords1: Tensor,
+        upsample: bool,
+        upsample_rows: int | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """One refinement iteration: the correlation at coords1, the update block, the flow update and (with
+        `upsample`) the convex upsampling of upsample_rows rows at a time
+        -> (GRU state, coords1, flow_low [B, 2, H1, W1], flow_up [B, 2, H, W] or None)."""
+        flow = coords1 - coords0
+        net, up_mask, delta = self.update_block(
+            net, inp, self.correlation(source, coords1), flow, attention, with_mask=upsample
+        )
+        coords1 = coords1 + delta.float()
+        flow_low = coords1 - coords0
+        flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
+        return net, coords1, flow_low, flow_up
+
     def refine(
         self,
-        correlation: Callable[[Tensor], Tensor],
+        source: Any,
         context: Tensor,
         iters: int,
         flow_init: Tensor | None,
@@ -294,8 +332,8 @@ class RecurrentRefinement(nn.Module):
         activation_budget: int | None,
     ) -> list[tuple[Tensor | None, Tensor]]:
         """-> (flow_up [B, 2, H, W], flow_low [B, 2, H1, W1]) per iteration; flow_up only for the last one
-        unless `upsample_all`. correlation: target positions coords1 [B, 2, H1, W1] -> the update block's
-        correlation input [B, corr_dim, H1, W1]. The other arguments: `MemoryDecoder.forward`."""
+        unless `upsample_all`. source: what `correlation` reads (the cost memory's keys and values with the
+        cost volume, or RAFT's cost pyramid). The other arguments: `MemoryDecoder.forward`."""
         if iters < 1:
             raise ValueError(f"the decoder needs at least one refinement iteration (iters), got {iters}")
         batch, _, h1, w1 = context.shape
@@ -314,23 +352,13 @@ class RecurrentRefinement(nn.Module):
         if activation_budget is not None:
             row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
             upsample_rows = max(1, activation_budget // row_bytes)
-
-        def step(net: Tensor, coords1: Tensor, upsample: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-            """One iteration: -> (GRU state, coords1, flow_low [B, 2, H1, W1], flow_up [B, 2, H, W] if upsample)."""
-            flow = coords1 - coords0
-            net, up_mask, delta = self.update_block(
-                net, inp, correlation(coords1), flow, attention, with_mask=upsample
-            )
-            coords1 = coords1 + delta.float()
-            flow_low = coords1 - coords0
-            flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
-            return net, coords1, flow_low, flow_up
-
+        step = self.compiled_iteration or self.iteration
         outputs = []
         for iteration in range(iters):
             upsample = upsample_all or iteration == iters - 1
             net, coords1, flow_low, flow_up = recomputed_in_backward(
-                self.checkpoint_iterations, step, net, coords1.detach(), upsample
+                self.checkpoint_iterations, step, source, net, inp, attention, coords0, coords1.detach(), upsample,
+                upsample_rows,
             )
             outputs.append((flow_up, flow_low))
         return outputs
@@ -420,11 +448,10 @@ class MemoryDecoder(RecurrentRefinement):
         cost: the volume or a CostVolume; query_chunk: aggregate the global motion attention for that many
         pixels at a time (None: hold its whole [B, 1, HW, HW] map); activation_budget: bytes for the convex
         upsampling's weights, spent on blocks of rows (None: the whole image at once)."""
-        cost = as_cost_volume(cost)
-        kv = self.memory_kv(cost_memory)
+        source = (self.memory_kv(cost_memory), as_cost_volume(cost))
+        return self.refine(source, context, iters, flow_init, query_chunk, upsample_all, activation_budget)
 
-        def correlation(coords1: Tensor) -> Tensor:
-            cost_global, crop = self.query(kv, cost, coords1)
-            return torch.cat([cost_global, crop], dim=1)  # [B, Q + heads*81, H1, W1]
-
-        return self.refine(correlation, context, iters, flow_init, query_chunk, upsample_all, activation_budget)
+    def correlation(self, source: tuple[tuple[Tensor, Tensor], CostVolume], coords1: Tensor) -> Tensor:
+        """The cost query and the 9x9 cost crop at coords1 -> [B, Q + heads*81, H1, W1]."""
+        cost_global, crop = self.query(*source, coords1)
+        return torch.cat([cost_global, crop], dim=1)

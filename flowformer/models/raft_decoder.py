@@ -122,4 +122,7 @@ class MultiLevelCostDecoder(RecurrentRefinement):
         """As MemoryDecoder.forward, reading the cost pyramid; there is no cost memory (cost_memory: None)."""
         if cost_memory is not None:
             raise ValueError("the mcr decoder reads the cost pyramid and takes no cost memory (pass None)")
-        return self.refine(cost.lookup, context, iters, flow_init, query_chunk, upsample_all, activation_budget)
+        return self.refine(cost, context, iters, flow_init, query_chunk, upsample_all, activation_budget)
+
+    def correlation(self, source: CostPyramid, coords1: Tensor) -> Tensor:
+        return source.lookup(coords1)

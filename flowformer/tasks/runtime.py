@@ -131,12 +131,12 @@ def configure_runtime(settings: DictConfig) -> None:
 
 
 def compile_regions(net: FlowFormer) -> list[nn.Module]:
-    """The modules `compile_network` compiles, each a region that runs many times with the same shapes: the
-    decoder's update block and cost query (once per refinement iteration; the query also once per MCVA query
-    round), the cost encoder's patch embedding and latent summary (once per `tokenize_chunk` block) and each of
-    its AGT layers, and the image encoders (a Twins encoder by its transformer blocks; once per forward). The
-    code between them (cost-window sampling, convex upsampling, the loops) runs eagerly, so one compiled graph
-    per region serves every iteration, however many."""
+    """The modules `compile_network` compiles besides the decoder's refinement iteration, each a region that
+    runs many times with the same shapes: the cost query's token encoder and attention (once per MCVA query
+    round; inside the iteration they are part of its graph), the cost encoder's patch embedding and latent
+    summary (once per `tokenize_chunk` block) and each of its AGT layers, and the image encoders (a Twins encoder
+    by its transformer blocks; once per forward). The loops between them run eagerly, so one compiled graph per
+    region serves every call, however many."""
     decoder, cost_encoder = net.memory_decoder, net.cost_encoder
     regions: list[nn.Module] = []
     for encoder in [*net.feature_encoder_modules(), *net.context_encoder_modules()]:
@@ -149,14 +149,16 @@ def compile_regions(net: FlowFormer) -> list[nn.Module]:
         regions.append(cost_encoder)
     if isinstance(decoder, MemoryDecoder):
         regions += [decoder.flow_token_encoder, decoder.decoder_layer.cross_attend]
-    return [*regions, decoder.update_block]
+    return regions
 
 
 def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     """With `runtime.compile`, torch.compile `net`'s repeated regions in place (`compile_regions`,
-    `nn.Module.compile`): compile time does not grow with the decoder's iterations, and `state_dict()` keys stay
-    the plain ones (no `_orig_mod.`), so checkpoints load into uncompiled networks. Each region compiles on its
-    first call with a new input shape or mode (train / eval)."""
+    `nn.Module.compile`) and its decoder's refinement iteration, one graph for the correlation lookup, update
+    block, flow update and upsampling (`RecurrentRefinement.compile_iteration`): compile time does not grow with
+    the decoder's iterations, and `state_dict()` keys stay the plain ones (no `_orig_mod.`), so checkpoints load
+    into uncompiled networks. Each region compiles on its first call with a new input shape or mode (train /
+    eval)."""
     if not settings.compile:
         return
     backend, mode = settings.compile_backend, settings.compile_mode
@@ -166,7 +168,8 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     regions = compile_regions(net)
     for region in regions:
         region.compile(backend=backend, mode=mode)
-    log.info("torch.compile %s (mode %s): %d regions", backend, mode, len(regions))
+    net.memory_decoder.compile_iteration(backend=backend, mode=mode)
+    log.info("torch.compile %s (mode %s): %d regions and the decoder's iteration", backend, mode, len(regions))
 
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:

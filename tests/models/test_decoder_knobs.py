@@ -242,5 +242,5 @@ def test_default_knobs_build_the_same_network():
 def test_compile_takes_the_network_without_a_cost_encoder():
     net = build(**MCR)
     compile_network(net, OmegaConf.create({"compile": True, "compile_backend": "eager", "compile_mode": None}))
-    assert net.memory_decoder._compiled_call_impl is not None
+    assert net.memory_decoder.compiled_iteration is not None
     assert net.context_encoder._compiled_call_impl is not None

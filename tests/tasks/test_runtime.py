@@ -114,6 +114,7 @@ def test_compile_is_off_by_default_and_leaves_the_network_alone():
     net = build_backbone()
     compile_network(net, config().runtime)
     assert all(module._compiled_call_impl is None for module in net.modules())
+    assert net.memory_decoder.compiled_iteration is None
 
 
 def test_compiled_network_gives_the_uncompiled_flow():
@@ -157,6 +158,55 @@ def test_compiling_does_not_grow_with_the_decoder_iterations(training):
     """The repeated regions compile once: 12 iterations capture the same graphs as 4 (no unrolled loop, no
     recompiles across iterations)."""
     assert compiled_graph_sizes(12, training) == compiled_graph_sizes(4, training)
+
+
+CALLED_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@register_backend
+def call_recording_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """The captured graphs run as they are, every call recorded."""
+
+    def run(*args):
+        CALLED_GRAPHS.append(graph)
+        return graph.forward(*args)
+
+    return run
+
+
+def graph_calls(net, iters: int) -> list[torch.fx.GraphModule]:
+    """The compiled graphs an inference forward of `net` with `iters` decoder iterations calls, in order."""
+    CALLED_GRAPHS.clear()
+    with torch.no_grad():
+        net(*[torch.rand(1, 3, 64, 96) * 255 for _ in range(2)], iters=iters)
+    return list(CALLED_GRAPHS)
+
+
+@pytest.mark.parametrize("decoder", ["cmd", "mcr"])
+def test_a_compiled_decoder_iteration_is_one_graph(decoder):
+    """Each refinement iteration calls one compiled graph, which holds the cost-window sampling, the update block
+    and the convex upsampling (when the iteration upsamples): no eager code between compiled pieces."""
+    torch._dynamo.reset()
+    net = build_backbone(decoder=decoder, agt_depth=0 if decoder == "mcr" else 1).eval()
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=call_recording_eager").runtime)
+    graph_calls(net, 2)  # compiles
+    calls_4, calls_12 = graph_calls(net, 4), graph_calls(net, 12)
+    assert len(calls_12) - len(calls_4) == 8
+    last = {node.target for node in calls_12[-1].graph.nodes}  # the last iteration's graph
+    assert {torch.nn.functional.grid_sample, torch.nn.functional.unfold, torch.sigmoid} <= last
+
+
+def test_a_compiled_training_step_with_recomputed_iterations_gives_the_uncompiled_gradients():
+    """backbone.activation_checkpoint=[decoder] under compile: each compiled iteration is recomputed in backward."""
+    torch.manual_seed(0)
+    net, reference = (build_backbone(activation_checkpoint=["decoder"]) for _ in range(2))
+    reference.load_state_dict(net.state_dict())
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=aot_eager").runtime)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    for model in (net, reference):
+        sum(flow.abs().mean() for flow in model(*images, iters=3)["flow_predictions"]).backward()
+    for (name, parameter), expected in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, msg=name)
 
 
 def test_a_compiled_training_step_gives_the_uncompiled_loss_and_gradients():
