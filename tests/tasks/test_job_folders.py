@@ -37,13 +37,26 @@ def checkout(tmp_path):
     return fresh_checkout(tmp_path / "checkout")
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A fresh checkout where `python run.py debug=tiny trainer.max_steps=1` ran: (the checkout, its last.ckpt),
+    for the tests that sweep an evaluation over that checkpoint, each into a sweep of its own."""
+    checkout = fresh_checkout(tmp_path_factory.mktemp("trained") / "checkout")
+    run_py("debug=tiny", "trainer.max_steps=1", cwd=checkout)
+    [checkpoint] = (checkout / "logs" / "train" / "default" / "runs").glob("*/checkpoints/last.ckpt")
+    return checkout, checkpoint
+
+
 def report_rows(sweep):
     with (sweep / "report.csv").open(newline="") as file:
         return list(csv.DictReader(file))
 
 
 def eval_sweep(checkout, checkpoint, *hydra_settings):
-    """`python run.py -m task=eval ... eval.checkpoint=<absolute path> eval.max_samples=1,2`: its sweep dir."""
+    """`python run.py -m task=eval ... eval.checkpoint=<absolute path> eval.max_samples=1,2`: its sweep dir (the
+    one it added)."""
+    sweeps = checkout / "logs" / "eval" / "default" / "multiruns"
+    before = set(sweeps.iterdir()) if sweeps.is_dir() else set()
     run_py(
         "-m",
         "task=eval",
@@ -55,13 +68,13 @@ def eval_sweep(checkout, checkpoint, *hydra_settings):
         *hydra_settings,
         cwd=checkout,
     )
-    return max((checkout / "logs" / "eval" / "default" / "multiruns").iterdir())
+    [sweep] = set(sweeps.iterdir()) - before
+    return sweep
 
 
-def test_a_sweep_over_a_checkpoint_path_keeps_one_folder_per_job_and_reports_both(checkout):
+def test_a_sweep_over_a_checkpoint_path_keeps_one_folder_per_job_and_reports_both(trained):
     """The `/` of an absolute path in an override nested each job's folder; the report found neither job."""
-    run_py("debug=tiny", "trainer.max_steps=1", cwd=checkout)
-    [checkpoint] = (checkout / "logs" / "train" / "default" / "runs").glob("*/checkpoints/last.ckpt")
+    checkout, checkpoint = trained
     sweep = eval_sweep(checkout, checkpoint)
     jobs = sorted(path for path in sweep.iterdir() if path.is_dir())
     assert [job.name.partition("_")[0] for job in jobs] == ["0", "1"]
@@ -80,11 +93,10 @@ def test_a_sweep_over_a_checkpoint_path_keeps_one_folder_per_job_and_reports_bot
         assert float(row["synthetic/epe"]) == pytest.approx(measured)
 
 
-def test_the_report_finds_the_jobs_of_a_sweep_laid_out_in_nested_folders(checkout):
+def test_the_report_finds_the_jobs_of_a_sweep_laid_out_in_nested_folders(trained):
     """A sweep run with the earlier job folder names (`<n>_<overrides>` as Hydra writes them: the path's `/`
     make folders) is still reported in full."""
-    run_py("debug=tiny", "trainer.max_steps=1", cwd=checkout)
-    [checkpoint] = (checkout / "logs" / "train" / "default" / "runs").glob("*/checkpoints/last.ckpt")
+    checkout, checkpoint = trained
     sweep = eval_sweep(
         checkout, checkpoint, "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"
     )
