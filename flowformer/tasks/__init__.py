@@ -55,11 +55,11 @@ def close_loggers() -> None:
 def run_task(cfg: DictConfig) -> float | None:
     """Run `cfg.task`; return its metric (for sweepers) or None. A failed job of a multirun is recorded in the
     sweep directory and returns NaN, so the sweep goes on with its next job (flowformer/tasks/sweeps.py)."""
-    if logging.getLogger().handlers:
-        # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line.
-        logging.getLogger("lightning").handlers.clear()
     try:
-        module = task_module(cfg.get("task"))
+        module = task_module(cfg.get("task"))  # a task that trains imports Lightning here, not before
+        if logging.getLogger().handlers:
+            # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line
+            logging.getLogger("lightning").handlers.clear()
         configure_runtime(cfg.runtime)
         return module.run(cfg)
     except StoppedBySignal as stop:  # the work so far is saved; the status says it did not finish (a sweep ends)
