@@ -40,11 +40,16 @@ def frames(count: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(base[:, 2 * i : 2 * i + WIDTH]) for i in range(count)]
 
 
-def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint):
-    folder = tmp_path / "frames"
+def frame_folder(folder: Path) -> Path:
+    """`folder` holding three consecutive frames f00.png .. f02.png."""
     folder.mkdir()
     for i, frame in enumerate(frames(3)):
         cv2.imwrite(str(folder / f"f{i:02d}.png"), frame)
+    return folder
+
+
+def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint):
+    folder = frame_folder(tmp_path / "frames")
     out = tmp_path / "out"
     infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                      "infer.iters=2", "infer.device=cpu"))
@@ -57,10 +62,7 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
 
 def test_infer_under_bf16_mixed_writes_every_pair_of_a_folder(tmp_path, checkpoint):
     """One inference context (no autograd, bf16 autocast) entered again for each pair."""
-    folder = tmp_path / "frames"
-    folder.mkdir()
-    for i, frame in enumerate(frames(3)):
-        cv2.imwrite(str(folder / f"f{i:02d}.png"), frame)
+    folder = frame_folder(tmp_path / "frames")
     out = tmp_path / "out"
     infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                      "infer.iters=2", "infer.device=cpu", "infer.precision=bf16-mixed", "infer.save_video=false"))
