@@ -138,12 +138,11 @@ from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.stop_signals import STOP_SIGNALS, StoppedBySignal, stopping_at_once
-from flowformer.tasks.sweeps import JOB_KEYS, in_multirun, override_key
+from flowformer.tasks.sweeps import JOB_KEYS, RECORD, in_multirun, override_key
 from flowformer.tasks.train import fit
 
 log = logging.getLogger(__name__)
 
-RECORD = "pipeline.json"
 RECORD_VERSION = 1
 _ABSENT = object()
 # The routing probes composed under each Hydra instance (one per `python run.py`, shared by a multirun's jobs), by

@@ -22,6 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 FAILED_JOBS = "failed_jobs.jsonl"
+# A pipeline's record in its run directory (flowformer/tasks/pipeline.py); in a table, one in each row's folder.
+RECORD = "pipeline.json"
 # The first part of the keys of a job's overrides that set up a pipeline job itself, not a table row (its
 # stages get seed, name and logger from Pipeline.pass_through; quickstart.* is the demo's own).
 JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
@@ -83,3 +85,25 @@ class FailedJobsReport(Callback):
                 file=sys.stderr,
             )
             raise SystemExit(1)
+
+
+class TableResumeCheck(Callback):
+    """Before a table's jobs (`python run.py -m task=pipeline ...`): pipeline.resume must name the table's sweep
+    directory, where each row finds its own folder. One row's run directory (it holds a record) would resume
+    that row in every job: refused in one line, exit status 1, before any job is started."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        resume = config.get("pipeline", {}).get("resume") if config.get("task") == "pipeline" else None
+        if not resume or not (Path(resume) / RECORD).is_file():
+            return
+        sweep = Path(resume).resolve().parent
+        advice = f"its table's sweep directory, pipeline.resume={sweep}" if (sweep / "multirun.yaml").is_file() else (
+            "the sweep directory of the table's earlier run"
+        )
+        if global_rank_zero():
+            print(
+                f"error: pipeline.resume={resume} is one row's run directory (it holds {RECORD}), which every row of "
+                f"this table (-m) would resume; give {advice}, where each row finds its own",
+                file=sys.stderr,
+            )
+        raise SystemExit(1)

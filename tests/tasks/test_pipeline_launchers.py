@@ -395,3 +395,25 @@ def test_a_pipeline_under_srun_runs_in_the_job_step_directory(tmp_path):
     assert sorted(path.name for path in run_dir.iterdir() if path.is_dir()) == [".hydra", "eval_plain", "things"]
     assert f"pipeline: rank 1 trains {run_dir / 'things'}" in results[1].stdout
     assert "pipeline: evaluation" not in results[1].stdout
+
+
+def test_a_tables_resume_naming_one_rows_run_directory_is_refused_before_any_job(tmp_path):
+    """The table's command with pipeline.resume=<one row's run directory> instead of its sweep directory would
+    resume that row in every job: refused in one line naming the setting, what was given and the sweep
+    directory to give, status 1, before any job starts (no new sweep, the rows' records untouched)."""
+    checkout = checkout_with_protocol(tmp_path, "row_resume", evaluate=False, things=[])
+    command = ("-m", "task=pipeline", "protocol=row_resume", "model.optimizer.lr=2e-4,1e-4")
+    run_py(*command, cwd=checkout, env=ENV, timeout=900)
+    sweep, jobs = sweep_jobs(checkout, "row_resume")
+    records = [(job / "pipeline.json").read_text() for job in jobs]
+    row = f"pipeline.resume='{jobs[0]}'"  # quoted: a row's folder name holds '=' and ','
+    refused = run_py(*command, row, cwd=checkout, env=ENV, timeout=900, expect_ok=False)
+    assert refused.returncode == 1, (refused.stdout + refused.stderr)[-4000:]
+    line = (
+        f"error: pipeline.resume={jobs[0]} is one row's run directory (it holds pipeline.json), which every row of "
+        f"this table (-m) would resume; give its table's sweep directory, pipeline.resume={sweep}, where each row "
+        "finds its own"
+    )
+    assert (refused.stdout + refused.stderr).count(line) == 1
+    assert sweep_jobs(checkout, "row_resume") == (sweep, jobs)
+    assert [(job / "pipeline.json").read_text() for job in jobs] == records
