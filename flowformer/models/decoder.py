@@ -103,13 +103,17 @@ class GMAAttention(nn.Module):
         """The softmax map [B, 1, HW, HW]; with `query_chunk`, the (q, k) it is made of, applied in chunks of
         that many query pixels when aggregating (the map grows with (H/8·W/8)²)."""
         batch, _, height, width = fmap.shape
-        q, k = self.to_qk(fmap).float().chunk(2, dim=1)
+        qk = self.to_qk(fmap)
+        q, k = qk.float().chunk(2, dim=1)
         q = (self.scale * q).view(batch, 1, -1, height * width).transpose(-2, -1)  # [B, 1, HW, C]
         k = k.view(batch, 1, -1, height * width)  # [B, 1, C, HW]
         if query_chunk is not None:
             return ChunkedAttention(q, k, query_chunk)
         with torch.autocast(device_type=fmap.device.type, enabled=False):
-            return (q @ k).softmax(dim=-1)
+            attention = (q @ k).softmax(dim=-1)
+        # Every iteration's aggregation reads the map in to_qk's dtype (bf16 under autocast): cast once here.
+        # Where gradients flow, each iteration casts it, so that the gradients' sum over iterations stays fp32.
+        return attention if torch.is_grad_enabled() else attention.to(qk.dtype)
 
 
 class ChunkedAttention:
@@ -142,7 +146,7 @@ class Aggregate(nn.Module):
         if isinstance(attention, ChunkedAttention):
             out = attention.apply(v)
         else:
-            out = attention.to(v.dtype) @ v
+            out = (attention if attention.dtype == v.dtype else attention.to(v.dtype)) @ v
         out = out.transpose(-2, -1).reshape(batch, channels, height, width)
         return fmap + self.gamma * out
 
@@ -183,7 +187,8 @@ class SepConvGRU(nn.Module):
     def forward(self, h: Tensor, x: Tensor) -> Tensor:
         # Under autocast h is bf16 and x fp32 (it holds the raw flow): each concatenation would be fp32 and each
         # of the six convolutions would cast it to bf16 again. Cast x once: the convolutions round it the same.
-        x = x.to(h.dtype)
+        if x.dtype != h.dtype:
+            x = x.to(h.dtype)
         for convz, convr, convq in (
             (self.convz1, self.convr1, self.convq1),
             (self.convz2, self.convr2, self.convq2),
@@ -316,7 +321,7 @@ class RecurrentRefinement(nn.Module):
         net, up_mask, delta = self.update_block(
             net, inp, self.correlation(source, coords1), flow, attention, with_mask=upsample
         )
-        coords1 = coords1 + delta.float()
+        coords1 = coords1 + delta  # fp32: a bf16 delta is promoted exactly
         flow_low = coords1 - coords0
         flow_up = upsample_flow_convex(flow_low, up_mask.float(), upsample_rows) if upsample else None
         return net, coords1, flow_low, flow_up
