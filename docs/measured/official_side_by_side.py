@@ -15,7 +15,8 @@ it on the CPU (bounded tokenization, dense plan).
 
 Prints the flows' difference (px), then per network the median wall and user-CPU seconds of --repeats forwards
 after --warmup, and the ratios official / ours of the medians and the median of the per-round ratios (the rounds
-interleave, so a round's two forwards share the machine's load).
+interleave, so a round's two forwards share the machine's load). With --profile N, instead of the timing: the N
+operators of most self CPU time in one forward of each network (torch.profiler).
 """
 
 import argparse
@@ -48,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="instead of timing, the N operators of most self CPU time"
+    )
     return parser.parse_args()
 
 
@@ -151,6 +155,20 @@ def report(times: dict[str, list[tuple[float, float]]]) -> None:
         )
 
 
+def profile(runs: dict, top: int) -> None:
+    """One forward of each network under torch.profiler: its `top` operators by self CPU time."""
+    for name, run in runs.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        events = sorted(prof.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+        total = sum(event.self_cpu_time_total for event in events)
+        print(f"{name}: {total / 1e6:.2f} s self CPU time in all, the {top} largest operators:")
+        for event in events[:top]:
+            seconds = event.self_cpu_time_total / 1e6
+            share = 100 * event.self_cpu_time_total / total
+            print(f"  {event.key:<36} {event.count:>6} calls {seconds:7.2f} s {share:5.1f}%")
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -172,7 +190,10 @@ def main() -> None:
             "ours": lambda: ours(image1, image2, iters=args.iters),
         }
         print(agreement(runs["official"], runs["ours"]), flush=True)
-        report(alternate(runs, args.warmup, args.repeats))
+        if args.profile:
+            profile(runs, args.profile)
+        else:
+            report(alternate(runs, args.warmup, args.repeats))
 
 
 if __name__ == "__main__":
