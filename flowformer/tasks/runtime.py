@@ -25,7 +25,6 @@ from rich.progress import (
 )
 from rich.text import Text
 from torch import nn
-from torch._inductor import list_mode_options
 
 from flowformer.device_settings import device_memory_settings
 from flowformer.models import FlowFormer
@@ -161,6 +160,8 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     eval)."""
     if not settings.compile:
         return
+    from torch._inductor import list_mode_options  # here: importing inductor costs every run 1.5 s of CPU
+
     backend, mode = settings.compile_backend, settings.compile_mode
     modes = list(list_mode_options())  # other backends ignore the mode
     if backend == "inductor" and mode not in modes:

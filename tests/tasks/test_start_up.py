@@ -1,16 +1,22 @@
 """What a run pays for before it starts: `python run.py` imports the libraries of the parts it builds. A run that
 builds neither a Twins encoder nor a ConvNeXt cost layer (timm) nor the unsupervised loss (kornia), and logs to
 CSV (wandb), imports none of them: about a second of every run's start-up. A task that never trains (eval, report,
-infer, convert, bench's forward rows) imports no Lightning either: two seconds of CPU time."""
+infer, convert, bench's forward rows) imports no Lightning either: two seconds of CPU time; nor torch's compiler
+where nothing else imports it (report, convert, bench's forward rows), for runtime.compile=true only: 1.5 s."""
 
 from helpers.run import fresh_checkout, run_py
 
 
-def imported_packages(stderr: str) -> set[str]:
-    """The top-level packages a run imported, from what `python -X importtime` (PYTHONPROFILEIMPORTTIME=1)
-    writes to its stderr."""
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a run imported, from what `python -X importtime` (PYTHONPROFILEIMPORTTIME=1) writes to its
+    stderr."""
     lines = [line for line in stderr.splitlines() if line.startswith("import time:")]
-    return {line.split("|")[-1].strip().split(".")[0] for line in lines}
+    return {line.split("|")[-1].strip() for line in lines}
+
+
+def imported_packages(stderr: str) -> set[str]:
+    """The top-level packages a run imported."""
+    return {module.split(".")[0] for module in imported_modules(stderr)}
 
 
 def test_a_tiny_training_run_imports_neither_timm_nor_kornia_nor_wandb(tmp_path):
@@ -21,7 +27,7 @@ def test_a_tiny_training_run_imports_neither_timm_nor_kornia_nor_wandb(tmp_path)
     assert not {"timm", "kornia", "wandb"} & imported
 
 
-def test_an_evaluation_and_its_report_import_no_lightning(tmp_path):
+def test_an_evaluation_and_its_report_import_no_lightning_and_the_report_no_compiler(tmp_path):
     checkout = fresh_checkout(tmp_path)
     profile = {"PYTHONPROFILEIMPORTTIME": "1"}
     evaluation = run_py(
@@ -39,3 +45,6 @@ def test_an_evaluation_and_its_report_import_no_lightning(tmp_path):
     for result in (evaluation, report):
         imported = imported_packages(result.stderr)
         assert {"torch", "hydra"} <= imported and "lightning" not in imported
+    # nor torch's compiler (1.5 s of CPU), which only runtime.compile=true uses; an evaluation imports it anyway
+    # through torchmetrics (torchvision)
+    assert "torch._dynamo" not in imported_modules(report.stderr)
