@@ -14,9 +14,10 @@ gamma) given N(0, 0.1^2) noise so that no branch is switched off. Ours is `build
 it on the CPU (bounded tokenization, dense plan).
 
 Prints the flows' difference (px), then per network the median wall and user-CPU seconds of --repeats forwards
-after --warmup, and the ratios official / ours of the medians and the median of the per-round ratios (the rounds
-interleave, so a round's two forwards share the machine's load). With --profile N, instead of the timing: the N
-operators of most self CPU time in one forward of each network (torch.profiler).
+(after the flow comparison's, which warm both up, and --warmup more rounds), the ratios official / ours of the
+medians and the median of the per-round ratios (the rounds interleave, so a round's two forwards share the
+machine's load). With --profile N, instead of the timing: the N operators of most self CPU time in one forward
+of each network (torch.profiler).
 """
 
 import argparse
@@ -45,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--height", type=int, default=440)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=0, help="rounds not kept, after the flow comparison")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
