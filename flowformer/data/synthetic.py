@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,12 +200,12 @@ def _inside(scene: _Scene, layer_points: torch.Tensor) -> torch.Tensor:
     # Only the foreground layers have shapes; the background (layer 0) is everywhere.
     fg = slice(1, None)
     local = (layer_points[fg] - scene.centre[fg].view(-1, 1, 1)) * scene.orientation[fg].conj().view(-1, 1, 1)
+    # dense real and imaginary parts: atan2 of those is ~4x faster on CPU than torch.angle(local), same values
+    x, y = torch.view_as_real(local).permute(3, 0, 1, 2).contiguous()
     n = scene.exponent[fg].view(-1, 1, 1)
     rx, ry = scene.radii[fg, 0].view(-1, 1, 1), scene.radii[fg, 1].view(-1, 1, 1)
-    rho = ((local.real.abs() / rx) ** n + (local.imag.abs() / ry) ** n) ** (1.0 / n)
-    lobe = torch.sin(
-        scene.lobes[fg].view(-1, 1, 1) * torch.angle(local) + scene.lobe_phase[fg].view(-1, 1, 1)
-    )
+    rho = ((x.abs() / rx) ** n + (y.abs() / ry) ** n) ** (1.0 / n)
+    lobe = torch.sin(scene.lobes[fg].view(-1, 1, 1) * torch.atan2(y, x) + scene.lobe_phase[fg].view(-1, 1, 1))
     inside_fg = rho < 1.0 + scene.lobe_amplitude[fg].view(-1, 1, 1) * lobe
     return torch.cat([torch.ones_like(layer_points[:1].real, dtype=torch.bool), inside_fg])
 
@@ -342,6 +343,21 @@ class _SceneSource:
 
     def _meta(self, index: int) -> dict[str, int | str]:
         return {"dataset": self.dataset_name, "seed": self.seed, "index": int(index) % self.num_samples}
+
+    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
+        """The items of one batch, as a DataLoader asks for them: ``[self[item] for item in items]``, bit for
+        bit, rendered on as many Python threads as torch has intra-op threads (each item's ops on one thread;
+        they release the GIL). Each item is too small for torch to split an op between threads, so on a 2-core
+        CPU one core would otherwise idle while a training process renders its batch. In a DataLoader worker
+        (one intra-op thread) the items are rendered one after the other. Subclasses with an ``__getitem__``
+        of their own (photograph textures and their augmentation, image_folder.py: state shared between
+        items) get their items one at a time."""
+        threads = min(torch.get_num_threads(), len(items))
+        own_items = (SyntheticFlowDataset.__getitem__, SyntheticVideoDataset.__getitem__)
+        if threads < 2 or type(self).__getitem__ not in own_items:
+            return [self[item] for item in items]
+        with _single_threaded(), ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(self.__getitem__, items))
 
 
 class SyntheticFlowDataset(_SceneSource, Dataset):

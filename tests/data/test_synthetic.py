@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
+from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset, procedural_textures
 
 from helpers.warping import visible, warp_error
 
@@ -92,6 +94,33 @@ def test_batches_through_a_dataloader() -> None:
     batch = next(iter(DataLoader(SyntheticFlowDataset(num_samples=4, size=SIZE, seed=0), batch_size=2)))
     assert batch["img1"].shape == (2, 3, *SIZE) and batch["valid"].shape == (2, *SIZE)
     assert batch["meta"]["index"].tolist() == [0, 1]
+
+
+def test_a_loader_renders_its_batch_on_torch_threads_as_single_items() -> None:
+    """A DataLoader without workers asks for a whole batch (`__getitems__`): its pairs are rendered on as many
+    threads as torch has intra-op threads, each pair bitwise the pair of `dataset[index]`."""
+    dataset = SyntheticFlowDataset(num_samples=100, size=SIZE, seed=3)
+    rendering_threads = set()
+
+    def procedural_recording_its_thread(gen, layers, height, width):
+        rendering_threads.add(threading.get_ident())
+        return procedural_textures(gen, layers, height, width)
+
+    dataset.textures = procedural_recording_its_thread
+    indices = [17, 3, 99, 42, 0, 58, 71, 8]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = next(iter(DataLoader(dataset, batch_size=8, sampler=indices)))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    assert len(rendering_threads) == 2 and threading.get_ident() not in rendering_threads
+    for position, index in enumerate(indices):
+        alone = dataset[index]
+        for key in ("img1", "img2", "flow", "valid", "occlusion"):
+            assert torch.equal(batch[key][position], alone[key])
+    assert batch["meta"]["index"].tolist() == indices
 
 
 def test_video_clips_are_scenes_of_the_same_kind() -> None:
