@@ -27,10 +27,11 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
   (`dropped`). Command-line overrides compose in the job's own config first: a protocol that pretrains
   selects its pretraining model (`model: mcva`), so that MCVA knobs (sweep=mcva_*) compose.
 - `resume`: the run directory of an earlier run of the same pipeline (in a multirun: its sweep directory,
-  each job finds its own). Finished stages are skipped, an interrupted stage resumes exactly from its
-  last.ckpt (`ckpt_path`; its earlier directory is kept as `<stage>.interrupted[-n]`), unfinished evaluations
-  run. A finished stage whose checkpoint is missing or changed, or whose overrides differ from this run's, is
-  refused in one line: no stage starts from a stale or missing checkpoint. A stage whose last.ckpt reached
+  each job finds its own; one row's run directory is refused before any job, sweeps.TableResumeCheck).
+  Finished stages are skipped, an interrupted stage resumes exactly from its last.ckpt (`ckpt_path`; its
+  earlier directory is kept as `<stage>.interrupted[-n]`), unfinished evaluations run. A finished stage whose
+  checkpoint is missing or changed, or whose overrides differ from this run's, is refused in one line: no
+  stage starts from a stale or missing checkpoint. A stage whose last.ckpt reached
   trainer.max_steps although the record does not say it finished (a write after it failed) is recorded as
   finished. The record's paths name the run directory it was written in; a resume in a copy or a moved one
   takes every path inside it to the same place there (check_record, moved_record). A damaged record is one
@@ -48,7 +49,9 @@ writes the record and evaluates (each evaluation in a process of its own, outsid
 of its own per stage keeps Lightning's launchers as they are (a stage is a plain training run); under torchrun
 and srun the processes exist already, and a new process group per stage on torchrun's store hangs. In a table
 under such a launcher every process runs the multirun; rank 0 tells the others when a row's stages are over,
-also when the row failed or was refused, so that all of them take the next row together.
+also when the row failed or was refused, so that all of them take the next row together; a stage that fails
+on some processes only ends on all of them at once (`rejoin_process_group`), recorded with the first error of
+its processes (StageResult writes it; so also under Lightning's launcher).
 
 Before any work, every stage is composed and the plan logged (stages, steps, global batch, estimated GPU-hours:
 flowformer/tasks/pipeline_plan.py); a global batch that does not divide is refused there. Each stage start is one
@@ -110,7 +113,7 @@ import sys
 import time
 import weakref
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +156,8 @@ RUN_DIR_MARK = "<run dir>"
 RUN_PY = Path(__file__).resolve().parents[2] / "run.py"
 # What a stage's run writes into its folder for the pipeline when its training ends (StageResult).
 STAGE_RESULT = "stage_result.json"
+# What the first of a stage's processes to raise an error writes beside it: its rank and error line.
+FIRST_ERROR = "first_error.txt"
 
 
 class PipelineStageError(ValueError):
@@ -335,6 +340,20 @@ class StageResult(L.Callback):
         result = {"checkpoint": None if checkpoint is None else str(checkpoint), "metrics": metrics}
         atomic_write_text(self.path, json.dumps(result, indent=2))
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """On every process: the first to raise (the file created exclusively) writes `rank <r>: <its error
+        line>` to FIRST_ERROR beside `path`, the stage's real error where the other processes then fail only
+        because it left their collective. Nothing where the folder is not on this node."""
+        line = " ".join(str(exception).split())
+        with suppress(OSError), open(self.path.with_name(FIRST_ERROR), "x") as file:
+            file.write(f"rank {trainer.global_rank}: {type(exception).__name__}: {line}")
+
+
+def first_error(stage_cfg: DictConfig) -> str | None:
+    """What the first of a stage's processes to raise an error left in its folder (StageResult), if any."""
+    path = Path(stage_cfg.callbacks.stage_result.path).with_name(FIRST_ERROR)
+    return path.read_text() if path.is_file() else None
+
 
 def starts_processes(trainer: DictConfig) -> bool:
     """Whether Lightning's launcher starts processes of its own for this trainer: more than one device or node
@@ -363,8 +382,33 @@ def join_process_group(environment: ClusterEnvironment) -> None:
         return
     os.environ["MASTER_ADDR"] = environment.main_address
     os.environ["MASTER_PORT"] = str(environment.main_port)
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, rank=environment.global_rank(), world_size=environment.world_size())
+    torch.distributed.init_process_group(
+        process_group_backend(), rank=environment.global_rank(), world_size=environment.world_size()
+    )
+
+
+def process_group_backend() -> str:
+    """The backends of a launcher's process group: gloo for CPU tensors, NCCL for CUDA ones where there is CUDA."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+# How many times this job's processes have made their process group anew (rejoin_process_group).
+_rejoined = 0
+
+
+def rejoin_process_group() -> None:
+    """After a stage failed in a table under a launcher: this process leaves the process group, which ends the
+    collective any other process waits in (gloo: 'Connection closed by peer'), then makes a new one with the
+    others on the launcher's store, under a prefix of its own (the first group's keys are still there), for the
+    table's next row. Each process comes here once per failed stage, with its own error or the one its
+    collective raised when another left, so the nth new group of every process is the same."""
+    global _rejoined
+    store = torch.distributed.distributed_c10d._get_default_store()
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.distributed.destroy_process_group()
+    _rejoined += 1
+    prefixed = torch.distributed.PrefixStore(f"pipeline-group-{_rejoined}", store)
+    torch.distributed.init_process_group(process_group_backend(), store=prefixed, rank=rank, world_size=world_size)
 
 
 def send_to_followers(stage_cfg: DictConfig | None) -> None:
@@ -378,11 +422,11 @@ def follow() -> None:
     """A launcher's process other than global rank 0: trains every stage with the config rank 0 sends
     (`send_to_followers`), in the process group, until the stages are over. It reads and writes none of the
     pipeline's folders and records: rank 0 owns them, and evaluates alone. In a table (a multirun), after a
-    stage failed here this process waits for rank 0 to say the row's stages are over before it raises the
-    failure, so that every process goes on to the next row together (a failure of every process: a setting
-    the stage refuses). Alone (one pipeline) it raises at once and the launcher ends the job, also where the
-    stage failed here only (one GPU out of memory), which rank 0, in its DDP step, waits on; in a table such
-    a failure waits until the process group times out."""
+    stage failed here this process makes the process group anew with the others (`rejoin_process_group`:
+    leaving it ends the collective a process that did not fail waits in) and waits for rank 0 to say the
+    row's stages are over before it raises the failure, so that every process goes on to the next row
+    together. Alone (one pipeline) it raises at once and the launcher ends the job, also where the stage
+    failed here only (one GPU out of memory), which rank 0, in its DDP step, waits on."""
     failure: Exception | None = None
     while True:
         message: list[Any] = [None]
@@ -396,6 +440,7 @@ def follow() -> None:
             except Exception as error:  # in a table, raised once rank 0 says the row's stages are over
                 if not in_multirun():
                     raise
+                rejoin_process_group()
                 failure = error
             finally:
                 close_loggers()
@@ -415,11 +460,21 @@ def train_stage(
         raise ValueError(f"task={stage_cfg.task}: a pipeline stage trains (task=train or task=pretrain)")
     if launched:
         send_to_followers(stage_cfg)
-    if starts_processes(stage_cfg.trainer) and not launched:
-        run_child(command, where, resume)
-    else:
-        fit(stage_cfg)
-        close_loggers()
+    try:
+        if starts_processes(stage_cfg.trainer) and not launched:
+            run_child(command, where, resume)
+        else:
+            fit(stage_cfg)
+            close_loggers()
+    except Exception as error:
+        if launched and in_multirun():
+            rejoin_process_group()  # the other processes, waiting for this one or failed too, go on to the next row
+        first = first_error(stage_cfg)
+        if first is None or first.startswith("rank 0: "):  # this process's own error (its stage's rank 0) first
+            raise
+        if isinstance(error, StageRunError):  # how the stage's own process ended, then another's error
+            raise StageRunError(f"{error}; the first error of its processes: {first}") from error
+        raise StageRunError(first) from error
     result_file = Path(stage_cfg.callbacks.stage_result.path)
     result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     if result.get("checkpoint") is None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from flowformer.models import output_files
 
@@ -161,3 +162,25 @@ class KillRankZeroOnceAtStep(L.Callback):
         except FileExistsError:
             return
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+
+class OutOfMemoryOnRankOnceAtStep(L.Callback):
+    """Raise CUDA's out-of-memory error (torch.OutOfMemoryError) on global rank `rank` alone when the batch
+    after `step` optimiser steps starts, unless `marker` exists (created first, exclusively: of the runs that
+    share it, one fails): one GPU of a DDP run out of memory, the other processes left waiting for it in their
+    next collective."""
+
+    def __init__(self, step: int, rank: int, marker: str) -> None:
+        self.step = step
+        self.rank = rank
+        self.marker = Path(marker)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        try:
+            self.marker.touch(exist_ok=False)
+        except FileExistsError:
+            return
+        raise torch.OutOfMemoryError(f"CUDA out of memory on rank {self.rank} (helpers.faults)")

@@ -79,6 +79,26 @@ def test_a_table_under_lightning_ddp_runs_every_row_with_one_set_of_records(tmp_
     assert output.count("MEMBER: 2/2") == 2  # each row's stage trained on two processes
 
 
+
+def test_a_stage_failing_on_one_process_under_lightnings_launcher_fails_its_row_with_that_error(tmp_path):
+    """`python run.py -m task=pipeline ... trainer=ddp trainer.devices=2`, the process Lightning started (rank 1)
+    out of memory during step 2 of the first row's stage: that row fails, its record naming rank 1's error
+    beside how the stage's main process ended, and the next row trains on both processes."""
+    checkout = checkout_with_protocol(tmp_path, "ddp_oom", evaluate=False, things=[out_of_memory_once(tmp_path)])
+    result = run_py(
+        "-m", "task=pipeline", "protocol=ddp_oom", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4", cwd=checkout, env=ENV, timeout=900, expect_ok=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("error: 1 job(s) of this sweep failed: #0") == 1
+    _, (failed, trained) = sweep_jobs(checkout, "ddp_oom")
+    error = record(failed)["stages"][0]["error"]
+    assert error.endswith("; the first error of its processes: rank 1: OutOfMemoryError: CUDA out of memory on rank 1 (helpers.faults)")
+    assert record(trained)["status"] == "done"
+    assert torch.load(trained / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert output.count("MEMBER: 2/2") == 2  # both rows' stages started on two processes
+
 def test_a_ddp_stage_killed_mid_way_resumes_with_pipeline_resume(tmp_path):
     """The whole job killed (SIGKILL to every process) during step 2 of its DDP stage, then the same command
     with pipeline.resume: the finished stage is kept, the killed one resumes from its last.ckpt to the end."""
@@ -320,6 +340,33 @@ def test_a_row_failing_in_its_stage_under_torchrun_leaves_the_next_row_and_its_e
     assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
 
 
+
+def out_of_memory_once(tmp_path: Path) -> str:
+    """The override that makes rank 1 alone run out of memory during step 2 of the first row's stage only."""
+    marker = tmp_path / "out_of_memory"
+    return f"+callbacks.oom={{_target_:helpers.faults.OutOfMemoryOnRankOnceAtStep,step:1,rank:1,marker:'{marker}'}}"
+
+
+def test_a_stage_failing_on_one_process_of_a_torchrun_table_ends_on_all_and_the_next_row_trains(tmp_path):
+    """One process out of memory (rank 1, step 2 of the first row's stage) while the other waits for it in its
+    step's collective: the stage ends on both at once, not when the process group times out (30 minutes); the
+    row is recorded failed with rank 1's error, both train the next row in a new process group, and the table
+    ends with status 1 naming the failed row."""
+    checkout = checkout_with_protocol(tmp_path, "torchrun_oom", evaluate=False, things=[out_of_memory_once(tmp_path)])
+    result = torchrun(
+        checkout, "-m", "task=pipeline", "protocol=torchrun_oom", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("error: 1 job(s) of this sweep failed: #0") == 1
+    _, (failed, trained) = sweep_jobs(checkout, "torchrun_oom")
+    assert record(failed)["status"] == "failed"
+    assert record(failed)["stages"][0]["error"] == "rank 1: OutOfMemoryError: CUDA out of memory on rank 1 (helpers.faults)"
+    assert record(trained)["status"] == "done"
+    assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
+    assert torch.load(trained / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -417,3 +464,26 @@ def test_a_tables_resume_naming_one_rows_run_directory_is_refused_before_any_job
     assert (refused.stdout + refused.stderr).count(line) == 1
     assert sweep_jobs(checkout, "row_resume") == (sweep, jobs)
     assert [(job / "pipeline.json").read_text() for job in jobs] == records
+
+
+def test_a_table_under_srun_runs_every_row_in_the_job_steps_sweep_directory(tmp_path):
+    """docs/cluster.md's table command under srun's environment (as the test above: two processes of the
+    command, each with its task's SLURM variables; not a SLURM cluster), `-m` with two rows, rank 1 alone out
+    of memory in the first row's stage: both processes run the multirun in `multiruns/slurm-<job>.<step>`, the
+    first row fails with rank 1's error, both train the second in a new process group (on the store rank 0
+    serves, srun having none), and rank 0 alone ends with status 1 naming the failed row."""
+    checkout = checkout_with_protocol(tmp_path, "srun_rows", evaluate=False, things=[out_of_memory_once(tmp_path)])
+    command = [
+        sys.executable, "run.py", "-m", "task=pipeline", "protocol=srun_rows", "trainer=ddp", "trainer.devices=2", *GLOO,
+        "model.optimizer.lr=2e-4,1e-4",
+    ]
+    port = free_port()
+    results = run_together(*[(command, checkout, srun_task(rank, port)) for rank in (0, 1)])
+    assert [result.returncode for result in results] == [1, 0], "\n".join(r.stdout[-3000:] for r in results)
+    assert "error: 1 job(s) of this sweep failed: #0" in results[0].stdout
+    sweep, (failed, trained) = sweep_jobs(checkout, "srun_rows")
+    assert sweep.name == "slurm-4242.0"
+    assert record(failed)["stages"][0]["error"] == "rank 1: OutOfMemoryError: CUDA out of memory on rank 1 (helpers.faults)"
+    assert record(trained)["status"] == "done"
+    assert f"pipeline: rank 1 trains {trained / 'things'}" in results[1].stdout
+    assert torch.load(trained / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
