@@ -25,6 +25,7 @@ from flowformer.models.layers import (
     multi_head_attention,
     recomputed_in_backward,
     softmax_attention,
+    split_heads,
 )
 from flowformer.models.memory_plan import FLOAT_BYTES
 from flowformer.models.token_mask import TokenMask
@@ -145,8 +146,8 @@ class LatentCrossAttention(_PreNormAttentionBlock):
     def forward(self, latent: Tensor, tokens: Tensor, ids_keep: Tensor | None = None) -> Tensor:
         if ids_keep is not None:
             tokens = torch.gather(tokens, 1, ids_keep[..., None].expand(-1, -1, tokens.shape[-1]))
-        q = self.q(self.norm1(latent))
-        x = latent + self.proj(multi_head_attention(q, self.k(tokens), self.v(tokens), HEADS))
+        q, k, v = (split_heads(x, HEADS) for x in (self.q(self.norm1(latent)), self.k(tokens), self.v(tokens)))
+        x = latent + self.proj(multi_head_attention(q, k, v))
         return x + self.ffn(self.norm2(x))
 
 
@@ -158,7 +159,7 @@ class SelfAttentionLayer(_PreNormAttentionBlock):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.norm1(x)
-        x = x + self.proj(multi_head_attention(self.q(y), self.k(y), self.v(y), HEADS))
+        x = x + self.proj(multi_head_attention(*(split_heads(f(y), HEADS) for f in (self.q, self.k, self.v))))
         return x + self.ffn(self.norm2(x))
 
 

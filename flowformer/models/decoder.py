@@ -21,6 +21,7 @@ from flowformer.models.layers import (
     linear_position_encoding,
     multi_head_attention,
     recomputed_in_backward,
+    split_heads,
     upsample_flow_convex,
 )
 from flowformer.models.memory_plan import FLOAT_BYTES
@@ -32,7 +33,8 @@ HEADS = 8
 class CostQueryAttention(nn.Module):
     """A cost query attends to the K memory tokens of its own source pixel (official `cross_attend`).
 
-    query [N, 1, Q], coords [B, 2, H1, W1] with N = B*H1*W1, memory keys/values [N, K, Q] -> [N, 1, Q].
+    query [N, 1, Q], coords [B, 2, H1, W1] with N = B*H1*W1, memory keys/values [N, heads, K, Q/heads]
+    (`MemoryDecoder.memory_kv`) -> [N, 1, Q].
     `decoder_query="crop_and_pe"`: q = Linear(LN(query) + PE(coords)) (official `add_flow_token` /
     `flow_or_pe="and"`); `"pe"`: q = Linear(PE(coords)) (the MCVA ablation).
     FlowFormer projects cat[attn, query] (proj 2Q -> Q); FlowFormer++ projects attn only (Q -> Q).
@@ -56,7 +58,7 @@ class CostQueryAttention(nn.Module):
         points = coords.contiguous().view(batch, 2, -1).permute(0, 2, 1).reshape(batch * h1 * w1, 1, 2)
         pe = linear_position_encoding(points, self.query_dim)
         q_in = pe if self.decoder_query == "pe" else self.norm1(query) + pe
-        x = multi_head_attention(self.q(q_in), key, value, HEADS)
+        x = multi_head_attention(split_heads(self.q(q_in), HEADS), key, value)
         x = self.proj(torch.cat([x, query], dim=2) if self.concat_shortcut else x)
         x = query + x
         return x + self.ffn(self.norm2(x))
@@ -422,9 +424,9 @@ class MemoryDecoder(RecurrentRefinement):
         return torch.tanh(net), torch.relu(inp)
 
     def memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
-        """cost memory [N, K, D] -> keys, values [N, K, Q], computed once per image pair."""
+        """cost memory [N, K, D] -> keys, values [N, heads, K, Q/heads], computed once per image pair."""
         attend = self.decoder_layer.cross_attend
-        return attend.k(cost_memory), attend.v(cost_memory)
+        return split_heads(attend.k(cost_memory), HEADS), split_heads(attend.v(cost_memory), HEADS)
 
     def query(
         self, kv: tuple[Tensor, Tensor], cost: Tensor | CostVolume, coords: Tensor

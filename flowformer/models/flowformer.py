@@ -203,7 +203,7 @@ class FlowFormer(nn.Module):
         return decoder.query(kv, cost, coords)[0]
 
     def cost_memory_kv(self, cost_memory: Tensor) -> tuple[Tensor, Tensor]:
-        """cost memory [B*H1*W1, K, D] -> the decoder's keys and values [B*H1*W1, K, Q]."""
+        """cost memory [B*H1*W1, K, D] -> the decoder's keys and values [B*H1*W1, heads, K, Q/heads]."""
         return self.memory_decoder.memory_kv(cost_memory)
 
     def decode(

@@ -97,19 +97,21 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tenso
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def multi_head_attention(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:
-    """q [N, Lq, C] (or [1, Lq, C], broadcast), k [N, Lk, C], v [N, Lk, Cv] -> [N, Lq, Cv].
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """[N, L, C] -> [N, heads, L, C/heads], a view (head h holds channels h·C/heads onwards)."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
 
-    Softmax((q kᵀ)·(C/heads)^-0.5) v, scale applied after the product as in the official layers.
-    """
-    n, lk, c = k.shape
-    scale = (c / heads) ** -0.5
-    qh = q.reshape(q.shape[0], q.shape[1], heads, -1).transpose(1, 2)
-    kh = k.reshape(n, lk, heads, -1).transpose(1, 2)
-    vh = v.reshape(n, lk, heads, -1).transpose(1, 2)
-    attn = (torch.matmul(qh, kh.transpose(-2, -1)) * scale).softmax(dim=-1)
-    out = torch.matmul(attn, vh)  # [N, heads, Lq, Cv/heads]
-    return out.transpose(1, 2).reshape(n, q.shape[1], -1)
+
+def multi_head_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Heads split by `split_heads`: q [N, heads, Lq, d] (or [1, heads, Lq, d], broadcast), k [N, heads, Lk, d],
+    v [N, heads, Lk, dv] -> [N, Lq, heads·dv], softmax((q kᵀ)·d^-0.5) v per head.
+
+    Fused (`softmax_attention`): one operator instead of the official layers' ten (split, product, scale after
+    it, softmax, product, merge); the same to float rounding. A broadcast q is expanded: torch's CPU kernel
+    takes only equal batches (it falls back to the unfused product otherwise)."""
+    n = k.shape[0]
+    out = softmax_attention(q if q.shape[0] == n else q.expand(n, -1, -1, -1), k, v, scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2).flatten(2)
 
 
 # fp32 values per 1/8-resolution pixel that convex upsampling holds at once: the 9x64 softmax weights, their
