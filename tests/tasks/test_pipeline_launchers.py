@@ -2,8 +2,9 @@
 (`trainer=ddp`, whose new processes run the command line again), torchrun (a pipeline, a table, two nodes
 simulated on this machine), srun's environment (not a SLURM cluster), and a table's rows as jobs of Hydra's
 submitit launcher. One process owns the pipeline's folders and records; a stage killed mid-way resumes with
-pipeline.resume; a table's failed row leaves the processes in step for the next. Two gloo processes on the
-CPU stand for two GPUs."""
+pipeline.resume; a table's failed row (refused, failing on every process or on one) leaves the processes in
+step for the next; a table's pipeline.resume names its sweep directory. Two gloo processes on the CPU stand
+for two GPUs."""
 
 import json
 import os
