@@ -199,7 +199,7 @@ class SepConvGRU(nn.Module):
             z = torch.sigmoid(convz(hx))
             r = torch.sigmoid(convr(hx))
             q = torch.tanh(convq(torch.cat([r * h, x], dim=1)))
-            h = (1 - z) * h + z * q
+            h = torch.lerp(h, q, z)  # (1 - z) h + z q in one operator where the official code takes four
         return h
 
 

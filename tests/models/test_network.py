@@ -155,7 +155,7 @@ def test_gru_casts_its_input_once_under_autocast() -> None:
             hx = torch.cat([reference, x], dim=1)  # fp32, as RAFT's GRU concatenates
             z, r = torch.sigmoid(convz(hx)), torch.sigmoid(convr(hx))
             q = torch.tanh(convq(torch.cat([r * reference, x], dim=1)))
-            reference = (1 - z) * reference + z * q
+            reference = torch.lerp(reference, q, z)
     assert CountCasts.casts == 1
     assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
 
