@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench-gpu
+.PHONY: install demo test lint bench-gpu gpu-wheels gpu-rehearsal
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,3 +23,14 @@ lint: $(STAMP)
 # every GPU figure of docs/performance.md, one process per row: bench.md and bench.json in the run's folder
 bench-gpu: $(STAMP)
 	$(PY) run.py task=bench bench=gpu
+
+# what a lent GPU machine lacks (its python3 has torch, Lightning, timm...; no registry): wheels to carry there in
+# .whl/ for tools/gpu_session.py --wheels .whl (docs/performance.md, "GPU figures")
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
+	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+
+# the GPU session's steps on this CPU at tiny sizes: each command parses and starts, the files are written
+gpu-rehearsal: $(STAMP)
+	$(PY) tools/gpu_session.py --dry-run

@@ -384,12 +384,16 @@ def check_settings(cfg: DictConfig) -> None:
 
 def named_configs(cfg: DictConfig, command_line: list[str]) -> list[tuple[str | None, DictConfig]]:
     """(name, config) of each row of `bench.rows` (a preset's, e.g. conf/bench/gpu.yaml): the config of the
-    run's command line (its overrides, which name the preset) with the row's overrides after them; without
-    bench.rows, (None, cfg)."""
+    run's command line (its overrides, which name the preset) with the row's overrides after them, then
+    `bench.row_overrides` (e.g. tiny sizes for a CPU rehearsal of the preset); without bench.rows, (None, cfg)."""
     presets = cfg.bench.get("rows") or {}
     if not presets:
         return [(None, cfg)]
-    return [(name, compose("config", overrides=[*command_line, *overrides])) for name, overrides in presets.items()]
+    after_every_row = list(cfg.bench.get("row_overrides") or [])
+    return [
+        (name, compose("config", overrides=[*command_line, *overrides, *after_every_row]))
+        for name, overrides in presets.items()
+    ]
 
 
 def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
