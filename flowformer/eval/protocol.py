@@ -9,7 +9,7 @@ task=infer all predict through ``Protocol.predict``.
 - :class:`WarmStart`: the warm start of task=infer and task=eval (`infer.warm_start`, `eval.warm_start`): each
   pair of a sequence starts from the previous pair's flow, projected forward (:func:`forward_project`).
 
-Metric kinds (``KINDS``): ``flow``, ``sintel``, ``kitti`` (the bundles of ``flowformer.metrics.SET_METRICS``),
+Metric kinds (``kinds()``): ``flow``, ``sintel``, ``kitti`` (the bundles of ``flowformer.metrics.SET_METRICS``),
 and ``sintel_submission`` / ``kitti_submission`` (test splits: task=eval writes the benchmark's files).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +26,11 @@ from torch.utils.data import Dataset
 
 from flowformer.eval.padding import DEFAULT_FILL, InputPadder, PadMode
 from flowformer.eval.tiling import tiled_flow
-from flowformer.metrics import SET_METRICS, SetMetrics
+
+if TYPE_CHECKING:
+    from flowformer.metrics import SetMetrics
 
 SUBMISSION_KINDS = ("sintel_submission", "kitti_submission")
-KINDS = (*SET_METRICS, *SUBMISSION_KINDS)
 
 # net(image1 [B,3,H,W], image2, iters=..., **kwargs) -> {"flow": [B,2,H,W], "flow_low": [B,2,H/8,W/8], ...}
 FlowNet = Callable[..., Mapping[str, Tensor]]
@@ -46,11 +47,25 @@ def require_finite_flow(flow: Tensor, pair: str) -> None:
         )
 
 
+def scored_kinds() -> dict[str, type[SetMetrics]]:
+    """``flowformer.metrics.SET_METRICS``, the metric bundle of each kind with ground truth, imported when a kind
+    is checked or scored rather than with this module: importing torchmetrics costs a process 3 s of CPU, which
+    task=infer, scoring nothing, does not pay."""
+    from flowformer.metrics import SET_METRICS
+
+    return SET_METRICS
+
+
+def kinds() -> tuple[str, ...]:
+    """Every metric kind: the scored ones, then the test splits' (submission files)."""
+    return (*scored_kinds(), *SUBMISSION_KINDS)
+
+
 def _check_kind(kind: str | None, allow_none: bool = False) -> None:
     if kind is None and allow_none:
         return
-    if kind not in KINDS:
-        raise ValueError(f"evaluation kind {kind!r} is unknown; expected one of {', '.join(KINDS)}")
+    if kind not in kinds():
+        raise ValueError(f"evaluation kind {kind!r} is unknown; expected one of {', '.join(kinds())}")
 
 
 def _check_pad_mode(mode: str | None, what: str) -> None:
@@ -62,7 +77,7 @@ def _check_pad_mode(mode: str | None, what: str) -> None:
 class Protocol:
     """How flow is predicted and scored on one set.
 
-    kind: the metric bundle (``KINDS``); None predicts without scoring (task=infer).
+    kind: the metric bundle (``kinds()``); None predicts without scoring (task=infer).
     iters: decoder iterations.
     pad_mode: padding to a multiple of 8 when not tiling (``flowformer/eval/padding.py``; the official
         ``evaluate_FlowFormer.py`` uses ``sintel`` for every set).
@@ -94,9 +109,10 @@ class Protocol:
 
     def metrics(self) -> SetMetrics:
         """A fresh metric bundle of this protocol's kind."""
-        if self.kind not in SET_METRICS:
-            raise ValueError(f"kind {self.kind!r} has no ground truth to score; scored: {list(SET_METRICS)}")
-        return SET_METRICS[self.kind]()
+        scored = scored_kinds()
+        if self.kind not in scored:
+            raise ValueError(f"kind {self.kind!r} has no ground truth to score; scored: {list(scored)}")
+        return scored[self.kind]()
 
     def predict(self, net: FlowNet, image1: Tensor, image2: Tensor, **net_kwargs: Any) -> dict[str, Tensor]:
         """Full-resolution flow of image1, image2 [B,3,H,W] -> {"flow": [B,2,H,W] float32}.
@@ -201,7 +217,7 @@ class WarmStart:
 class EvalSet(Dataset):
     """A validation or benchmark set: the items of ``dataset`` and how they are evaluated.
 
-    kind: the metric kind (``KINDS``).
+    kind: the metric kind (``kinds()``).
     iters: decoder iterations in task=eval (``eval.benchmarks.<name>.iters``); validation sets leave it None
         and run ``model.val_iters``.
     pad_mode, tile_size, tile_pad_mode: see :class:`Protocol`.
@@ -262,6 +278,6 @@ def validation_protocol(dataset: Dataset | None, iters: int) -> Protocol:
             f"a validation set sets iters={dataset.iters}, but validation runs model.val_iters={iters} on "
             "every set; remove its iters (they are task=eval's: eval.benchmarks.<name>.iters)"
         )
-    if dataset.kind not in SET_METRICS:
+    if dataset.kind not in scored_kinds():
         raise ValueError(f"a validation set of kind {dataset.kind!r} has no ground truth to score")
     return dataset.protocol(iters)

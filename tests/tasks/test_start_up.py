@@ -2,8 +2,15 @@
 builds neither a Twins encoder nor a ConvNeXt cost layer (timm) nor the unsupervised loss (kornia), and logs to
 CSV (wandb), imports none of them: about a second of every run's start-up. A task that never trains (eval, report,
 infer, convert, bench's forward rows) imports no Lightning either: two seconds of CPU time; nor torch's compiler
-where nothing else imports it (report, convert, bench's forward rows), for runtime.compile=true only: 1.5 s."""
+where nothing else imports it (report, convert, bench's forward rows, infer), for runtime.compile=true only: 1.5 s;
+nor, unless it scores flow (eval), torchmetrics."""
 
+import cv2
+import numpy as np
+
+from flowformer.models import save_backbone
+
+from helpers.configs import build_backbone
 from helpers.run import fresh_checkout, run_py
 
 
@@ -48,3 +55,21 @@ def test_an_evaluation_and_its_report_import_no_lightning_and_the_report_no_comp
     # nor torch's compiler (1.5 s of CPU), which only runtime.compile=true uses; an evaluation imports it anyway
     # through torchmetrics (torchvision)
     assert "torch._dynamo" not in imported_modules(report.stderr)
+
+
+def test_inference_imports_neither_lightning_nor_the_metrics_nor_the_compiler(tmp_path):
+    """task=infer scores nothing: no torchmetrics (3 s of CPU at import, with the torchvision and torch._dynamo
+    it imports), which task=eval imports to score."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    checkpoint = tmp_path / "tiny.pt"
+    save_backbone(checkpoint, build_backbone("tiny"))
+    frames = np.random.default_rng(0).integers(0, 255, (2, 48, 64, 3), dtype=np.uint8)
+    for name, frame in zip(("a.png", "b.png"), frames):
+        cv2.imwrite(str(tmp_path / name), frame)
+    pair = f"infer.input=[{tmp_path / 'a.png'},{tmp_path / 'b.png'}]"
+    output = f"infer.output_dir={tmp_path / 'flow'}"
+    result = run_py("task=infer", "backbone=tiny", f"infer.checkpoint={checkpoint}", pair, output, "infer.iters=2",
+                    cwd=checkout, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert (tmp_path / "flow" / "a.flo").is_file()
+    imported = imported_modules(result.stderr)
+    assert "torch" in imported and not {"lightning", "torchmetrics", "torch._dynamo"} & imported
