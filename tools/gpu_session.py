@@ -15,8 +15,8 @@ Writes to --out (at most 8 files, what a lent machine sends back): summary.md (e
 the machine, the data wait, pytest's result line; also printed last), bench.md and bench.json (every bench
 step's table and record), pytest.txt, data_wait.log, session.log (every other step's output). Exit status 1
 when a step did not end well. --dry-run runs every step on the CPU with the tiny backbone and tiny sizes
-(bench.row_overrides), trainer=cpu and the eager compile backend, so this machine checks that each command parses
-and starts and that the files are written.
+(bench.row_overrides), trainer=cpu and the eager compile backend, its limits and budget x DRY_SCALE, so this
+machine checks that each command parses and starts and that the files are written.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ import yaml
 REPO_DIR = Path(__file__).resolve().parents[1]
 PRESET = REPO_DIR / "conf" / "bench" / "gpu.yaml"
 MIN_STEP_S = 3  # a step with less of the budget left is not started
+BUDGET_S = 480  # the session's steps within 8 minutes: a lent machine's command runs 10 at most
+BENCH_START_S = 30  # a bench step's own start and its rows' configs, beside the rows' limits
+DRY_SCALE = 5  # --dry-run: every limit and the budget x this (2 CPU cores at tiny sizes are slower than a GPU)
 
 TINY_ROWS = ["backbone=tiny", "bench.sizes=[[64,96]]", "bench.iters=2", "bench.batch_size=2"]
 DRY_BENCH = ["bench.device=cpu", "bench.warmup=1", "bench.repeats=1",
@@ -61,18 +64,30 @@ class Step:
     argv: list[str]
     dry: list[str] = field(default_factory=list)
     log: str = "session.log"
-    rows: int = 0  # bench rows it runs: each gets an equal share of the step's limit as its bench.timeout_s
+    rows: int = 0  # rows bench measures: each gets an equal share of the step's limit as its bench.timeout_s
 
 
 def bench_step(name: str, rows: list[str], row_limit_s: float, *extra: str) -> Step:
     """`task=bench bench=gpu` with the preset's rows narrowed to `rows` (in the preset's order)."""
-    others = [f"~bench.rows.{row}" for row in preset_rows() if row not in rows]
+    preset = preset_rows()
+    others = [f"~bench.rows.{row}" for row in preset if row not in rows]
     argv = ["run.py", "task=bench", "bench=gpu", *others, *extra]
-    return Step(name, row_limit_s * len(rows) + 30, argv, DRY_BENCH, rows=len(rows))
+    measured = sum(measured_rows(preset[row]) for row in rows)
+    return Step(name, row_limit_s * measured + BENCH_START_S, argv, DRY_BENCH, rows=measured)
 
 
-def preset_rows() -> list[str]:
-    return list(yaml.safe_load(PRESET.read_text())["rows"])
+def preset_rows() -> dict[str, list[str]]:
+    """Each row of conf/bench/gpu.yaml: its overrides."""
+    return yaml.safe_load(PRESET.read_text())["rows"]
+
+
+def measured_rows(overrides: list[str]) -> int:
+    """How many rows bench measures for a preset row: its sizes x memory paths x recomputed stages x precisions."""
+    lists = ("bench.sizes", "bench.memory_budgets_gb", "bench.activation_checkpoints", "bench.precisions")
+    count = 1
+    for key, _, value in (override.partition("=") for override in overrides):
+        count *= len(yaml.safe_load(value)) if key in lists else 1
+    return count
 
 
 def session_steps() -> list[Step]:
@@ -121,13 +136,13 @@ def install_wheels(wheels: Path, site: Path, log: Path) -> tuple[str, float]:
     return run_step(Step("setup", 120, argv), argv, 120, log, dict(os.environ))
 
 
-def step_argv(step: Step, work: Path, dry: bool, limit_s: float) -> list[str]:
+def step_argv(step: Step, work: Path, dry: bool, limit_s: float, scale: int) -> list[str]:
     """The step's command: its run directory, its rows' time limits, and in a dry run its tiny settings."""
     argv = list(step.argv)
     if argv[0] == "run.py":
         argv.append(f"hydra.run.dir={work / step.name}")
     if step.rows:
-        argv.append(f"bench.timeout_s={max(1, int((limit_s - 30) / step.rows))}")
+        argv.append(f"bench.timeout_s={max(1, int((limit_s - BENCH_START_S * scale) / step.rows))}")
     if dry:
         argv += step.dry + (["runtime.compile_backend=eager"] if "runtime.compile=true" in argv else [])
     return argv
@@ -140,7 +155,7 @@ def bench_outputs(results: list[dict], work: Path, out: Path) -> None:
         folder = work / result["step"]
         found = (folder / "bench.json").exists()
         tables.append(f"## {result['step']}: {result['status']}, {result['seconds']:.0f} s\n\n"
-                      + ((folder / "bench.md").read_text() if found else "no table: the step ended before it\n"))
+                      + ((folder / "bench.md").read_text() if found else "no table\n"))
         records.append(result | {"record": json.loads((folder / "bench.json").read_text()) if found else None})
     (out / "bench.md").write_text("\n".join(tables))
     (out / "bench.json").write_text(json.dumps(records, indent=2))
@@ -165,34 +180,41 @@ def write_summary(results: list[dict], out: Path, dry: bool) -> str:
     return summary
 
 
+def record(result: dict, results: list[dict], work: Path, out: Path, dry: bool) -> str:
+    """Adds a step's result and rewrites the files in `out` (what comes back if the command is cut short);
+    prints the step's line at once; the summary."""
+    results.append(result)
+    print(f"{result['step']}: {result['status']}, {result['seconds']:.0f} s", flush=True)
+    bench_outputs(results, work, out)
+    return write_summary(results, out, dry)
+
+
 def run_session(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    out = Path(args.out or REPO_DIR / "logs" / "gpu_session" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
-    work = REPO_DIR / "logs" / "gpu_session" / f"runs_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(args.out or REPO_DIR / "logs" / "gpu_session" / stamp).resolve()
+    work = REPO_DIR / "logs" / "gpu_session" / f"runs_{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
-    results = []
+    results: list[dict] = []
     if args.wheels:
-        site = Path(args.site)
-        status, seconds = install_wheels(Path(args.wheels).resolve(), site, out / "session.log")
-        results.append({"step": "setup", "status": status, "seconds": seconds, "limit_s": 120, "bench": False})
-        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
-    chosen = [step for step in session_steps() if not args.steps or step.name in args.steps]
-    for step in chosen:
-        left = args.budget_s - (time.monotonic() - started)
-        limit_s = min(step.limit_s, left)
-        if limit_s < MIN_STEP_S:
-            results.append({"step": step.name, "status": "not run: session budget spent", "seconds": 0.0,
-                            "limit_s": step.limit_s, "bench": step.rows > 0})
-            continue
-        argv = step_argv(step, work, args.dry_run, limit_s)
-        status, seconds = run_step(step, argv, limit_s, out / step.log, env)
-        results.append({"step": step.name, "status": status, "seconds": seconds, "limit_s": limit_s,
-                        "bench": step.rows > 0, "command": " ".join(argv)})
-    bench_outputs(results, work, out)
-    summary = write_summary(results, out, args.dry_run)
-    print(f"{summary}\n{(out / 'bench.md').read_text()}\nwrote {out}")
+        status, seconds = install_wheels(Path(args.wheels).resolve(), Path(args.site), out / "session.log")
+        setup = {"step": "setup", "status": status, "seconds": seconds, "limit_s": 120, "bench": False}
+        summary = record(setup, results, work, out, args.dry_run)
+        env["PYTHONPATH"] = os.pathsep.join([args.site, env["PYTHONPATH"]])
+    scale = DRY_SCALE if args.dry_run else 1
+    budget_s = args.budget_s or BUDGET_S * scale
+    for step in (step for step in session_steps() if not args.steps or step.name in args.steps):
+        limit_s = min(step.limit_s * scale, budget_s - (time.monotonic() - started))
+        result = {"step": step.name, "status": "not run: session budget spent", "seconds": 0.0,
+                  "limit_s": step.limit_s * scale, "bench": step.rows > 0}
+        if limit_s >= MIN_STEP_S:
+            argv = step_argv(step, work, args.dry_run, limit_s, scale)
+            status, seconds = run_step(step, argv, limit_s, out / step.log, env)
+            result |= {"status": status, "seconds": seconds, "limit_s": limit_s, "command": " ".join(argv)}
+        summary = record(result, results, work, out, args.dry_run)
+    print(f"\n{summary}\n{(out / 'bench.md').read_text()}\nwrote {out}")
     return 0 if all(result["status"] == "ok" for result in results) else 1
 
 
@@ -201,7 +223,7 @@ def main() -> int:
     parser.add_argument("--out", help="where the files go (default logs/gpu_session/<time>/)")
     parser.add_argument("--wheels", help="a folder of wheels to install first (make gpu-wheels: .whl)")
     parser.add_argument("--site", default="/tmp/gpu_session_site", help="where --wheels are installed")
-    parser.add_argument("--budget-s", type=float, default=480, help="no step runs past this many seconds")
+    parser.add_argument("--budget-s", type=float, help=f"no step runs past this many seconds (default {BUDGET_S})")
     parser.add_argument("--steps", nargs="+", help="only these steps, by name (default: all, in order)")
     parser.add_argument("--dry-run", action="store_true", help="every step on the CPU at tiny sizes")
     args = parser.parse_args()
