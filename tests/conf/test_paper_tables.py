@@ -169,8 +169,8 @@ def test_every_paper_sweeps_table_names_the_protocol_its_documented_command_runs
 def test_the_smoke_protocol_shrinks_each_tables_protocol_stage_for_stage():
     """protocol=smoke trains the stages of the protocol a table names: as many, pretraining where it pretrains
     (its MCVA stage), supervised where it trains on flow."""
+    smoke = compose_run_config(["task=pipeline", "protocol=smoke"])
     for protocol in sorted({table_protocol(sweep) for sweep in TABLE_SWEEPS}):
-        smoke = compose_run_config(["task=pipeline", "protocol=smoke"])
         with open_dict(smoke):
             smoke.paper_table = {"protocol": protocol}  # as a sweep=paper_* loads its table
         real = read_stages(compose_run_config([f"protocol={protocol}"]).pipeline)
