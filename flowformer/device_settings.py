@@ -1,6 +1,6 @@
 """Settings chosen for the device a network runs on, in one place: the memory settings of the backbone that
-say `auto` (`backbone.tokenize_chunk`, `backbone.memory_budget_gb`: `device_memory_settings`) and the optimiser's
-`fused: auto` (`optimizer_device_settings`). Each choice is logged in one line with its reason; a value the user
+say `auto` (`backbone.tokenize_chunk`, `backbone.memory_budget_gb`, `backbone.activation_checkpoint`:
+`device_memory_settings`) and the optimiser's `fused: auto` (`optimizer_device_settings`). Each choice is logged in one line with its reason; a value the user
 set is kept. `describe_device` is the one function that reads the device (its kind, name and free memory).
 docs/performance.md, "Settings chosen for the device"."""
 
@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from torch.utils.flop_counter import FlopCounterMode
 
-from flowformer.models.build import AUTO, BOUNDED_TOKENIZE_CHUNK
+from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES, AUTO, BOUNDED_TOKENIZE_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +50,22 @@ FAST_PATH_FREE_GB = 32
 # the image at hand (cost volume, patchify activations, GMA's attention map: flowformer/models/memory_plan.py)
 # fits in it and bounds those terms where it does not; the rest is left to the other activations and the weights.
 FORWARD_SHARE_OF_FREE = 0.5
+# backbone.activation_checkpoint=auto in training keeps every activation (the official training, no recomputation)
+# where the step's estimated peak fits in this share of the memory free on the device, the rest being the margin
+# for what the estimate leaves out (the allocator's fragmentation, the data, other processes).
+FIT_SHARE_OF_FREE = 0.9
+# A training step's peak memory over the bytes autograd saves for its backward pass (weights, their gradients and
+# the optimiser's state apart): the activations' gradients and the backward's transients come on top. Measured on
+# an H200 (bf16-mixed): the supervised step of experiment=chairs (batch 8, 368x496, 12 iterations) peaked at
+# 23.8 GiB for 20.5 GiB estimated saved (1.15x), the MCVA step of experiment=mcva_pretrain (batch 24,
+# [tokenize]) at 37.45 GiB for 30.9 GiB (1.21x, taken) (docs/performance.md, "Settings chosen for the device").
+PEAK_PER_SAVED = 1.21
+# Copies of a trainable weight a training step keeps (the weight, its gradient, AdamW's two moments).
+TRAINABLE_WEIGHT_COPIES = 4
 # The memory settings `device_memory_settings` chooses where the config says AUTO, and those run_info.json records.
-DEVICE_CHOSEN_SETTINGS = ("tokenize_chunk", "memory_budget_gb")
-RECORDED_MEMORY_SETTINGS = (*DEVICE_CHOSEN_SETTINGS, "activation_checkpoint")
+DEVICE_CHOSEN_SETTINGS = ("tokenize_chunk", "memory_budget_gb", "activation_checkpoint")
+# trainer.precision -> the autocast dtype the step's estimate runs under (any other precision: fp32)
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -91,34 +109,189 @@ def choose_memory_budget(device: DeviceMemory, *, training: bool) -> tuple[float
     )
 
 
-def choose_memory_settings(device: DeviceMemory, *, training: bool) -> dict[str, tuple[Any, str]]:
-    """{setting: (its value for `device`, why)} for each of DEVICE_CHOSEN_SETTINGS."""
-    return {
-        "tokenize_chunk": choose_tokenize_chunk(device),
-        "memory_budget_gb": choose_memory_budget(device, training=training),
-    }
+@dataclass(frozen=True)
+class TrainingStep:
+    """The training step backbone.activation_checkpoint=auto is chosen for: the LightningModule's config
+    (`model`, cfg.model as YAML: its objective and decoder iterations), the batch of one process, the training
+    crop and trainer.precision."""
+
+    model: str
+    batch: int
+    height: int
+    width: int
+    precision: str
 
 
-def device_memory_settings(backbone_cfg: DictConfig, device: torch.device, *, training: bool) -> DictConfig:
+@dataclass(frozen=True)
+class StepMemory:
+    """A training step's estimate: the activations autograd keeps for backward (GiB, the weights apart), the
+    weights with their gradients and AdamW's moments (GiB) and the FLOPs counted (forward, and backward where
+    it was run)."""
+
+    saved_gb: float
+    state_gb: float
+    flops: int
+
+    @property
+    def peak_gb(self) -> float:
+        return self.state_gb + PEAK_PER_SAVED * self.saved_gb
+
+
+def training_loss(module: nn.Module, image1: Tensor, image2: Tensor) -> Tensor:
+    """The loss one training step of `module` (FlowModule, MCVAPretrainModule, UnsupervisedPretrainModule)
+    computes on images [B, 3, H, W], less what reads values (the logged metrics; the sequence loss's L1 terms
+    without its validity mask). MCVA's mask, whose block sizes are numbers drawn first, is drawn on real tensors."""
+    if hasattr(module, "mask_generator"):
+        batch, _, height, width = image1.shape
+        with unset_fake_temporarily():
+            noise = module.mask_generator.noise(
+                batch, height // 8, width // 8, generator=torch.Generator().manual_seed(0)
+            )
+        return module.pretrain_step(image1, image2, mask_noise=noise).loss
+    if hasattr(module, "pretrain_step"):
+        return module.pretrain_step(image1, image2)[0]
+    predictions = module.backbone(image1, image2, iters=module.hparams.train_iters)["flow_predictions"]
+    return torch.stack([prediction.float().abs().mean() for prediction in predictions]).sum()
+
+
+@cache
+def estimate_step_memory(
+    step: TrainingStep, backbone_yaml: str, stages: tuple[str, ...], backward: bool
+) -> StepMemory:
+    """The memory of `step` for the backbone `backbone_yaml` recomputing `stages`, without running it: the
+    module is built on the meta device (no weights drawn or loaded) and the step runs on fake tensors (shapes and
+    dtypes only: FakeTensorMode), under autocast on the CPU for a mixed trainer.precision. The bytes saved for
+    backward are those of each storage autograd keeps (saved_tensors_hooks; a storage once, the weights apart);
+    `backward` also runs the backward pass, whose recomputation the FLOP count then includes. Cached: the
+    estimate is the same for every device."""
+    backbone = OmegaConf.merge(OmegaConf.create(backbone_yaml), {"activation_checkpoint": list(stages)})
+    model = OmegaConf.create(step.model)
+    fresh = {"init_from": None} if "init_from" in model else {}
+    with torch.device("meta"):
+        module = hydra.utils.instantiate(model, backbone=OmegaConf.merge(backbone, {"twins_weights": None}), **fresh)
+    module.to_empty(device="cpu").train()
+    parameters = list(module.parameters())
+    weights = {parameter.untyped_storage()._cdata for parameter in parameters}
+    saved: dict[int, int] = {}
+
+    def count(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    dtype = AUTOCAST_DTYPES.get(step.precision)
+    with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as flops:
+        image1, image2 = (torch.rand(step.batch, 3, step.height, step.width) * 255 for _ in range(2))
+        with (
+            torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor),
+            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+        ):
+            loss = training_loss(module, image1, image2)
+        if backward:
+            loss.backward()
+    copies = {True: TRAINABLE_WEIGHT_COPIES, False: 1}
+    state = sum(p.numel() * p.element_size() * copies[p.requires_grad] for p in parameters)
+    return StepMemory(saved_gb=sum(saved.values()) / 2**30, state_gb=state / 2**30, flops=flops.get_total_flops())
+
+
+def stage_gains(estimate: Callable[[tuple[str, ...], bool], StepMemory]) -> dict[str, tuple[float, int]]:
+    """{stage: (GiB of saved activations recomputing it alone frees, FLOPs its recomputation adds)} for each of
+    ACTIVATION_CHECKPOINT_STAGES that frees memory in this network (one it does not have, like tokenize with
+    decoder=mcr, is refused by the network's config and left out)."""
+    keeping = estimate((), True)
+    gains = {}
+    for stage in ACTIVATION_CHECKPOINT_STAGES:
+        try:
+            recomputing = estimate((stage,), True)
+        except InstantiationException as error:
+            if not isinstance(error.__cause__, ValueError):
+                raise
+            continue
+        freed = keeping.saved_gb - recomputing.saved_gb
+        if freed > 0:
+            gains[stage] = (freed, max(recomputing.flops - keeping.flops, 1))
+    return gains
+
+
+def choose_recomputed_stages(
+    device: DeviceMemory, estimate: Callable[[tuple[str, ...], bool], StepMemory]
+) -> tuple[list[str], str]:
+    """(backbone.activation_checkpoint for a training step on `device`, why), from `estimate(stages, backward)`:
+    none, the fast path, where the step's estimated peak fits in FIT_SHARE_OF_FREE of the free memory; else the
+    stages in order of the memory they free per FLOP their recomputation adds, until it fits (all of them
+    where it never does, said in the reason)."""
+    room = FIT_SHARE_OF_FREE * device.free_gb
+    where = f"{FIT_SHARE_OF_FREE:.0%} of the {device.free_gb:.1f} GiB free on the {device.name}"
+    keeping = estimate((), False)
+    if keeping.peak_gb <= room:
+        return [], f"the step's estimated peak, {keeping.peak_gb:.2f} GiB, fits in {where}: every activation kept"
+    gains = stage_gains(estimate)
+    order = sorted(gains, key=lambda stage: gains[stage][1] / gains[stage][0])
+    chosen, peak = [], keeping.peak_gb
+    for stage in order:
+        if peak <= room:
+            break
+        chosen.append(stage)
+        peak -= PEAK_PER_SAVED * gains[stage][0]
+    frees = ", ".join(f"{stage} {gains[stage][0]:.2f} GiB for {gains[stage][1] / 1e12:.2f} TFLOP" for stage in order)
+    verdict = (
+        f"fits in {where}"
+        if peak <= room
+        else f"still exceeds {where}: lower data.batch_size or raise trainer.accumulate_grad_batches"
+    )
+    return chosen, (
+        f"the step's estimated peak, {keeping.peak_gb:.2f} GiB, exceeds {where}; recomputing frees {frees}; "
+        f"recomputing {as_override(chosen)}, {peak:.2f} GiB {verdict}"
+    )
+
+
+def choose_setting(
+    setting: str, device: DeviceMemory, *, training: bool, step: TrainingStep | None, backbone_cfg: DictConfig
+) -> tuple[Any, str]:
+    """(the value of `setting`, one of DEVICE_CHOSEN_SETTINGS, for `device`, why). activation_checkpoint is
+    estimated for `step` with the network of `backbone_cfg` (its other memory settings already chosen)."""
+    if setting == "tokenize_chunk":
+        return choose_tokenize_chunk(device)
+    if setting == "memory_budget_gb":
+        return choose_memory_budget(device, training=training)
+    if not training:
+        return [], "the network runs forward only: nothing is kept for backward"
+    if step is None:
+        return [], "no training step to size (bench: bench.activation_checkpoints sets each row's): every one kept"
+    # estimated with every cost map tokenized at once: training keeps every chunk's activations, the same bytes,
+    # and the step traces in fewer operations
+    backbone_yaml = OmegaConf.to_yaml(OmegaConf.merge(backbone_cfg, {"tokenize_chunk": None}), resolve=True)
+    return choose_recomputed_stages(
+        device, lambda stages, backward: estimate_step_memory(step, backbone_yaml, stages, backward)
+    )
+
+
+def device_memory_settings(
+    backbone_cfg: DictConfig, device: torch.device, *, training: bool, step: TrainingStep | None = None
+) -> DictConfig:
     """`backbone_cfg` with each of DEVICE_CHOSEN_SETTINGS that says `auto` replaced by the choice for `device`
-    (`choose_memory_settings`; `training`: the network trains there, else it runs forward only), one log line
-    each; a number or null set by the user is kept, and the device is not read when nothing says `auto`."""
+    (`choose_setting`; `training`: the network trains there, `step` its training step, else it runs forward
+    only), one log line each; a value set by the user is kept, and the device is not read when nothing says
+    `auto`."""
     automatic = [setting for setting in DEVICE_CHOSEN_SETTINGS if backbone_cfg.get(setting) == AUTO]
     if not automatic:
         return backbone_cfg
-    choices = choose_memory_settings(describe_device(device), training=training)
-    chosen = {}
-    for setting in automatic:
-        value, why = choices[setting]
+    described = describe_device(device)
+    for setting in automatic:  # in DEVICE_CHOSEN_SETTINGS' order: activation_checkpoint sized with the others
+        value, why = choose_setting(setting, described, training=training, step=step, backbone_cfg=backbone_cfg)
         log.info(
-            "backbone.%s=auto -> %s (%s; set backbone.%s to choose)",
-            setting,
-            "null" if value is None else value,
-            why,
-            setting,
+            "backbone.%s=auto -> %s (%s; set backbone.%s to choose)", setting, as_override(value), why, setting
         )
-        chosen[setting] = value
-    return OmegaConf.merge(backbone_cfg, chosen)
+        backbone_cfg = OmegaConf.merge(backbone_cfg, {setting: value})
+    return backbone_cfg
+
+
+def as_override(value: Any) -> str:
+    """`value` as the command line writes it: null, 512, [tokenize,cost_layers]."""
+    if isinstance(value, list):
+        return f"[{','.join(value)}]"
+    return "null" if value is None else str(value)
 
 
 def training_device(trainer_cfg: DictConfig) -> torch.device:
@@ -130,11 +303,11 @@ def training_device(trainer_cfg: DictConfig) -> torch.device:
 
 
 def memory_settings(module: nn.Module) -> dict[str, Any]:
-    """The memory settings (RECORDED_MEMORY_SETTINGS) the FlowFormer of `module` (itself, or a LightningModule's
+    """The memory settings (DEVICE_CHOSEN_SETTINGS) the FlowFormer of `module` (itself, or a LightningModule's
     `backbone`) was built with: the values chosen for the device where the config said `auto` ({} for a network
     assembled by hand, which has no config)."""
     config = getattr(getattr(module, "backbone", module), "config", None) or {}
-    return {setting: config[setting] for setting in RECORDED_MEMORY_SETTINGS if setting in config}
+    return {setting: config[setting] for setting in DEVICE_CHOSEN_SETTINGS if setting in config}
 
 
 def choose_fused_optimizer(device_kind: str, precision: str) -> tuple[bool | None, str]:

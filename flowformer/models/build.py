@@ -57,10 +57,11 @@ KNOB_MINIMUMS = {
 # each CNN stage); the cost maps' patchify + latent summary; the AGT layers (each, or each row block of a bounded
 # plan); each decoder iteration (and each MCVA query round: the decoder's cost query and the reconstruction head).
 ACTIVATION_CHECKPOINT_STAGES = ("image_encoders", "tokenize", "cost_layers", "decoder")
-# backbone.tokenize_chunk and backbone.memory_budget_gb: a value, null (the official computation) or AUTO, which
-# the tasks replace by their choice for the device they run on (flowformer/device_settings.py,
-# `device_memory_settings`). A network built without a device in view takes, for tokenize_chunk, the bounded
-# path, as on a CPU, and for memory_budget_gb the dense computation.
+# backbone.tokenize_chunk, backbone.memory_budget_gb and backbone.activation_checkpoint: a value, null (the
+# official computation) or AUTO, which the tasks replace by their choice for the device they run on
+# (flowformer/device_settings.py, `device_memory_settings`). A network built without a device in view takes, for
+# tokenize_chunk, the bounded path, as on a CPU, for memory_budget_gb the dense computation, and for
+# activation_checkpoint no recomputation.
 AUTO = "auto"
 BOUNDED_TOKENIZE_CHUNK = 512
 
@@ -115,7 +116,8 @@ class BackboneConfig:
     memory_budget_gb: bound the forward pass's memory (None: the dense, official computation; AUTO: chosen by
     the tasks from the device, dense without one).
     activation_checkpoint: stages in ACTIVATION_CHECKPOINT_STAGES whose activations training recomputes in
-    backward instead of keeping (none: the official training).
+    backward instead of keeping (none: the official training; AUTO: chosen by the training tasks from the
+    device and the step, none without one).
     """
 
     variant: str = "flowformer"
@@ -142,7 +144,7 @@ class BackboneConfig:
     recon_head_depth: int = 3
     decoder_dim: int = 128
     tokenize_chunk: int | str | None = AUTO
-    activation_checkpoint: tuple[str, ...] = ()
+    activation_checkpoint: tuple[str, ...] | str = ()
     memory_budget_gb: float | str | None = AUTO
     # the decoder and its update block, the paper's architecture ablations (docs/ablations.md)
     decoder: str = "cmd"  # DECODERS: cost memory decoder | RAFT's multi-level cost retrieval (the baseline row)
@@ -153,6 +155,8 @@ class BackboneConfig:
         self._check_decoder_knobs()
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
         object.__setattr__(self, "twins_widths", tuple(self.twins_widths))
+        if self.activation_checkpoint == AUTO:  # chosen by a training task; without one, every activation kept
+            object.__setattr__(self, "activation_checkpoint", ())
         if isinstance(self.activation_checkpoint, str):
             raise TypeError(
                 "backbone.activation_checkpoint is a list of stages, e.g. [decoder] or [tokenize,cost_layers], "

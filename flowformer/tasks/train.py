@@ -9,9 +9,10 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from flowformer.device_settings import device_memory_settings, training_device
+from flowformer.device_settings import TrainingStep, device_memory_settings, training_device
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
-from flowformer.tasks.batches import set_per_process_batch
+from flowformer.tasks.batches import per_process_batch, set_per_process_batch
+from flowformer.tasks.pipeline_plan import training_crop
 from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network
@@ -52,10 +53,22 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
     backbone = cfg.model.backbone
     if cfg.get("ckpt_path") and backbone.get("twins_weights"):
         backbone = OmegaConf.merge(backbone, {"twins_weights": None})
-    overrides["backbone"] = device_memory_settings(backbone, training_device(cfg.trainer), training=True)
+    step = training_step(cfg)
+    overrides["backbone"] = device_memory_settings(backbone, training_device(cfg.trainer), training=True, step=step)
     model = hydra.utils.instantiate(cfg.model, **overrides)
     compile_network(model.backbone, cfg.runtime)
     return model
+
+
+def training_step(cfg: DictConfig) -> TrainingStep | None:
+    """The training step of one process (cfg.model's objective, its batch, the training crop,
+    trainer.precision) that backbone.activation_checkpoint=auto is sized for; None where the data config names
+    no crop."""
+    crop = training_crop(OmegaConf.to_container(cfg.data.get("train") or {}, resolve=True))
+    if crop is None:
+        return None
+    model = OmegaConf.to_yaml(cfg.model, resolve=True)
+    return TrainingStep(model, per_process_batch(cfg), crop[0], crop[1], str(cfg.trainer.get("precision")))
 
 
 def monitored_value(run: PreparedRun) -> float | None:

@@ -17,15 +17,15 @@ from helpers.run import fresh_checkout, run_py
 # recomputed stages) of each row of the GPU table (issue 35); "auto": the backbone's memory_budget_gb, chosen for
 # the GPU when the rows run (dense in training, half of the free memory in a forward row)
 GPU_ROWS = {
-    "inference_440x1024_tf32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "high", ["auto"], [[]]),
-    "inference_440x1024_bf16": ("forward", "flowformer", 1, [440, 1024], 32, "bf16-mixed", "high", ["auto"], [[]]),
-    "inference_440x1024_fp32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "highest", ["auto"], [[]]),
-    "train_b8_368x496_bf16": ("train", "flowformer", 8, [368, 496], 12, "bf16-mixed", "high", ["auto"], [[]]),
-    "train_b8_368x496_tf32": ("train", "flowformer", 8, [368, 496], 12, "32-true", "high", ["auto"], [[]]),
+    "inference_440x1024_tf32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "high", ["auto"], ["auto"]),
+    "inference_440x1024_bf16": ("forward", "flowformer", 1, [440, 1024], 32, "bf16-mixed", "high", ["auto"], ["auto"]),
+    "inference_440x1024_fp32": ("forward", "flowformer", 1, [440, 1024], 32, "32-true", "highest", ["auto"], ["auto"]),
+    "train_b8_368x496_bf16": ("train", "flowformer", 8, [368, 496], 12, "bf16-mixed", "high", ["auto"], ["auto"]),
+    "train_b8_368x496_tf32": ("train", "flowformer", 8, [368, 496], 12, "32-true", "high", ["auto"], ["auto"]),
     "mcva_b24_368x496_bf16": (
         "pretrain", "flowformer_pp", 24, [368, 496], 12, "bf16-mixed", "high", ["auto"], [["tokenize"]]
     ),
-    "inference_1080x1920_tf32": ("forward", "flowformer", 1, [1080, 1920], 12, "32-true", "high", [None, 2], [[]]),
+    "inference_1080x1920_tf32": ("forward", "flowformer", 1, [1080, 1920], 12, "32-true", "high", [None, 2], ["auto"]),
 }
 
 
@@ -39,7 +39,7 @@ def test_the_gpu_preset_composes_into_the_rows_of_the_gpu_table():
         rows[name] = (
             row.bench.mode, row.backbone.variant, row.bench.batch_size, list(size), row.bench.iters, precision,
             row.runtime.matmul_precision, list(row.bench.memory_budgets_gb),
-            [list(stages) for stages in row.bench.activation_checkpoints],
+            [stages if stages == "auto" else list(stages) for stages in row.bench.activation_checkpoints],
         )
         assert row.bench.device == "cuda" and row.backbone.tokenize_chunk == "auto"
         assert row.model._target_.endswith("MCVAPretrainModule" if row.bench.mode == "pretrain" else "FlowModule")
