@@ -115,7 +115,7 @@ def test_a_loader_renders_its_batch_on_torch_threads_as_single_items() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
-    assert len(rendering_threads) == 2 and threading.get_ident() not in rendering_threads
+    assert len(rendering_threads) == 2 and threading.get_ident() in rendering_threads
     for position, index in enumerate(indices):
         alone = dataset[index]
         for key in ("img1", "img2", "flow", "valid", "occlusion"):
