@@ -172,7 +172,7 @@ def write_summary(results: list[dict], out: Path, dry: bool) -> str:
     lines = [f"# GPU session{' (dry run on the CPU, tiny sizes)' if dry else ''}", "",
              "| step | status | seconds | limit s |", "|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['limit_s']:.0f} |" for r in results]
-    lines += ["", f"machine: {last_line_with(out / 'session.log', 'probe: ')}",
+    lines += ["", f"machine: {last_line_with(out / 'session.log', 'probe: torch ')}",
               f"data wait: {last_line_with(out / 'data_wait.log', 'data wait:').removeprefix('data wait: ')}",
               f"pytest -m gpu: {last_line_with(out / 'pytest.txt', '==', ' in ')}"]
     summary = "\n".join(lines) + "\n"
