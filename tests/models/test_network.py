@@ -325,3 +325,22 @@ def test_decoder_dim_scales_the_recurrent_decoder_and_keeps_its_keys() -> None:
     net = build(decoder_dim=32).eval()
     with torch.no_grad():
         assert net(*images(), iters=2)["flow"].shape == (1, 2, H, W)
+
+
+def test_update_block_convolves_channels_last_tensors_on_the_cpu(tiny: FlowFormer) -> None:
+    """Every convolution of the update block reads a channels-last tensor on the CPU, where oneDNN then skips
+    reordering it to its blocked layout and back (docs/performance.md, "Side by side with the official code")."""
+    layouts = []
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        layouts.append(args[0].is_contiguous(memory_format=torch.channels_last))
+
+    convolutions = [m for m in tiny.memory_decoder.update_block.modules() if isinstance(m, torch.nn.Conv2d)]
+    hooks = [conv.register_forward_pre_hook(record) for conv in convolutions]
+    try:
+        with torch.no_grad():
+            tiny(*images(), iters=2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert layouts and all(layouts)
