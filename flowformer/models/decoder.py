@@ -55,7 +55,7 @@ class CostQueryAttention(nn.Module):
 
     def forward(self, query: Tensor, coords: Tensor, key: Tensor, value: Tensor) -> Tensor:
         batch, _, h1, w1 = coords.shape
-        points = coords.contiguous().view(batch, 2, -1).permute(0, 2, 1).reshape(batch * h1 * w1, 1, 2)
+        points = coords.permute(0, 2, 3, 1).reshape(batch * h1 * w1, 1, 2)  # [N, 1, (x, y)]
         pe = linear_position_encoding(points, self.query_dim)
         q_in = pe if self.decoder_query == "pe" else self.norm1(query) + pe
         x = multi_head_attention(split_heads(self.q(q_in), HEADS), key, value)
