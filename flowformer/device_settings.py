@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -125,8 +126,8 @@ class TrainingStep:
 @dataclass(frozen=True)
 class StepMemory:
     """A training step's estimate: the activations autograd keeps for backward (GiB, the weights apart), the
-    weights with their gradients and AdamW's moments (GiB) and the FLOPs counted (forward, and backward where
-    it was run)."""
+    weights with their gradients and AdamW's moments (GiB) and the FLOPs of forward and backward (counted where
+    backward was run, else 0)."""
 
     saved_gb: float
     state_gb: float
@@ -181,7 +182,9 @@ def estimate_step_memory(
         return tensor
 
     dtype = AUTOCAST_DTYPES.get(step.precision)
-    with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as flops:
+    # FLOPs are counted where backward runs (stage_gains); the fit check alone counts none, in half the time
+    flops = FlopCounterMode(display=False) if backward else None
+    with FakeTensorMode(allow_non_fake_inputs=True), nullcontext() if flops is None else flops:
         image1, image2 = (torch.rand(step.batch, 3, step.height, step.width) * 255 for _ in range(2))
         with (
             torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor),
@@ -192,7 +195,8 @@ def estimate_step_memory(
             loss.backward()
     copies = {True: TRAINABLE_WEIGHT_COPIES, False: 1}
     state = sum(p.numel() * p.element_size() * copies[p.requires_grad] for p in parameters)
-    return StepMemory(saved_gb=sum(saved.values()) / 2**30, state_gb=state / 2**30, flops=flops.get_total_flops())
+    counted = 0 if flops is None else flops.get_total_flops()
+    return StepMemory(saved_gb=sum(saved.values()) / 2**30, state_gb=state / 2**30, flops=counted)
 
 
 def stage_gains(estimate: Callable[[tuple[str, ...], bool], StepMemory]) -> dict[str, tuple[float, int]]:
@@ -257,6 +261,8 @@ def choose_setting(
         return choose_memory_budget(device, training=training)
     if not training:
         return [], "the network runs forward only: nothing is kept for backward"
+    if device.kind != "cuda":  # sizing a step traces it (about a CPU-second even for the tiny network)
+        return [], f"on the {device.name} every activation is kept: recomputation is sized for a GPU's memory"
     if step is None:
         return [], "no training step to size (bench: bench.activation_checkpoints sets each row's): every one kept"
     # estimated with every cost map tokenized at once: training keeps every chunk's activations, the same bytes,
