@@ -25,7 +25,7 @@ bench-gpu: $(STAMP)
 	$(PY) run.py task=bench bench=gpu
 
 # what a lent GPU machine lacks (its python3 has torch, Lightning, timm...; no registry): wheels to carry there in
-# .whl/ for docs/measured/gpu_session.py --wheels .whl (docs/performance.md, "GPU figures")
+# .whl/ for tools/gpu_session.py --wheels .whl (docs/performance.md, "GPU figures")
 gpu-wheels: $(STAMP)
 	rm -rf .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
@@ -33,4 +33,4 @@ gpu-wheels: $(STAMP)
 
 # the GPU session's steps on this CPU at tiny sizes: each command parses and starts, the files are written
 gpu-rehearsal: $(STAMP)
-	$(PY) docs/measured/gpu_session.py --dry-run
+	$(PY) tools/gpu_session.py --dry-run

@@ -1,4 +1,4 @@
-"""docs/measured/gpu_session.py, the one command a session lent a GPU runs (docs/performance.md, "GPU figures"): its
+"""tools/gpu_session.py, the one command a session lent a GPU runs (docs/performance.md, "GPU figures"): its
 --dry-run on this CPU, from a fresh checkout, runs the same steps at tiny sizes and writes the files the GPU run
 sends back; a step past its time limit is stopped with its processes, and the steps past the budget are not run."""
 
@@ -13,7 +13,7 @@ from helpers.run import fresh_checkout
 
 def gpu_session(checkout, *arguments: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "docs/measured/gpu_session.py", *arguments], cwd=checkout, capture_output=True, text=True,
+        [sys.executable, "tools/gpu_session.py", *arguments], cwd=checkout, capture_output=True, text=True,
         timeout=900, check=False,
     )
 

@@ -1,8 +1,8 @@
 """The GPU figures and checks of issue 35 in one command of a lent GPU machine (docs/performance.md, "GPU figures:
 `make bench-gpu`"), the most important first, each step with its own time limit and none past --budget-s:
 
-    python3 docs/measured/gpu_session.py --wheels .whl --out "$OUT"     # on the GPU machine, after `make gpu-wheels` here
-    .venv/bin/python docs/measured/gpu_session.py --dry-run              # the same steps on this CPU at tiny sizes
+    python3 tools/gpu_session.py --wheels .whl --out "$OUT"     # on the GPU machine, after `make gpu-wheels` here
+    .venv/bin/python tools/gpu_session.py --dry-run              # the same steps on this CPU at tiny sizes
 
 Steps: set-up (the carried wheels into a folder on PYTHONPATH), probe (GPU, torch, the package imports), then
 the rows of conf/bench/gpu.yaml (`task=bench bench=gpu`, the rows a step names, each row stopped after its
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-REPO_DIR = Path(__file__).resolve().parents[2]
+REPO_DIR = Path(__file__).resolve().parents[1]
 PRESET = REPO_DIR / "conf" / "bench" / "gpu.yaml"
 MIN_STEP_S = 3  # a step with less of the budget left is not started
 BUDGET_S = 480  # the session's steps within 8 minutes: a lent machine's command runs 10 at most
