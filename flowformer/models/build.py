@@ -144,7 +144,7 @@ class BackboneConfig:
     recon_head_depth: int = 3
     decoder_dim: int = 128
     tokenize_chunk: int | str | None = AUTO
-    activation_checkpoint: tuple[str, ...] | str = ()
+    activation_checkpoint: tuple[str, ...] | str = AUTO
     memory_budget_gb: float | str | None = AUTO
     # the decoder and its update block, the paper's architecture ablations (docs/ablations.md)
     decoder: str = "cmd"  # DECODERS: cost memory decoder | RAFT's multi-level cost retrieval (the baseline row)
@@ -155,14 +155,13 @@ class BackboneConfig:
         self._check_decoder_knobs()
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
         object.__setattr__(self, "twins_widths", tuple(self.twins_widths))
-        if self.activation_checkpoint == AUTO:  # chosen by a training task; without one, every activation kept
-            object.__setattr__(self, "activation_checkpoint", ())
-        if isinstance(self.activation_checkpoint, str):
+        if isinstance(self.activation_checkpoint, str) and self.activation_checkpoint != AUTO:
             raise TypeError(
                 "backbone.activation_checkpoint is a list of stages, e.g. [decoder] or [tokenize,cost_layers], "
-                f"got the string {self.activation_checkpoint!r}"
+                f"or {AUTO}, got the string {self.activation_checkpoint!r}"
             )
-        object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
+        if self.activation_checkpoint != AUTO:
+            object.__setattr__(self, "activation_checkpoint", tuple(self.activation_checkpoint))
         if isinstance(self.tokenize_chunk, str) and self.tokenize_chunk != AUTO:
             raise ValueError(
                 f"backbone.tokenize_chunk must be a positive number of cost maps, null or {AUTO}, "
@@ -173,7 +172,7 @@ class BackboneConfig:
                 f"backbone.memory_budget_gb must be a number of GB > 0, null (dense) or {AUTO}, "
                 f"got {self.memory_budget_gb!r}"
             )
-        unknown = [stage for stage in self.activation_checkpoint if stage not in ACTIVATION_CHECKPOINT_STAGES]
+        unknown = [stage for stage in self.recomputed_stages if stage not in ACTIVATION_CHECKPOINT_STAGES]
         for knob, least in KNOB_MINIMUMS.items():
             if getattr(self, knob) < least:
                 raise ValueError(f"backbone.{knob} must be >= {least}, got {getattr(self, knob)}")
@@ -268,12 +267,18 @@ class BackboneConfig:
                 "backbone.decoder=mcr splits the context features into the GRU state and input as RAFT does, so "
                 f"backbone.feature_dim ({self.feature_dim}) must be 2 x backbone.decoder_dim ({self.decoder_dim})"
             )
-        cost_stages = sorted({"tokenize", "cost_layers"} & set(self.activation_checkpoint))
+        cost_stages = sorted({"tokenize", "cost_layers"} & set(self.recomputed_stages))
         if cost_stages:
             raise ValueError(
                 f"backbone.activation_checkpoint {cost_stages}: backbone.decoder=mcr has no cost encoder to "
                 "recompute; keep image_encoders and decoder only"
             )
+
+    @property
+    def recomputed_stages(self) -> tuple[str, ...]:
+        """The stages whose activations backward recomputes: activation_checkpoint's, none for AUTO (a training
+        task replaces AUTO by its choice for the device; a network built without one keeps every activation)."""
+        return () if self.activation_checkpoint == AUTO else self.activation_checkpoint
 
     def stored(self) -> dict:
         """The knobs as stored with checkpoints: plain values, without `twins_weights` (the ImageNet weights
@@ -282,12 +287,14 @@ class BackboneConfig:
             **asdict(self),
             "cnn_widths": list(self.cnn_widths),
             "twins_widths": list(self.twins_widths),
-            "activation_checkpoint": list(self.activation_checkpoint),
+            "activation_checkpoint": (
+                AUTO if self.activation_checkpoint == AUTO else list(self.activation_checkpoint)
+            ),
             "twins_weights": None,
         }
 
     def image_encoder_module(self) -> nn.Module:
-        recompute = "image_encoders" in self.activation_checkpoint
+        recompute = "image_encoders" in self.recomputed_stages
         if self.image_encoder == "twins":
             return TwinsEncoder(widths=self.twins_widths, twins_weights=self.twins_weights, checkpoint_blocks=recompute)
         return BasicEncoder(feature_dim=self.feature_dim, cnn_widths=self.cnn_widths, checkpoint_blocks=recompute)
@@ -310,8 +317,8 @@ class BackboneConfig:
             tokenize_chunk=(
                 BOUNDED_TOKENIZE_CHUNK if self.tokenize_chunk == AUTO else self.tokenize_chunk
             ),
-            checkpoint_tokenize="tokenize" in self.activation_checkpoint,
-            checkpoint_layers="cost_layers" in self.activation_checkpoint,
+            checkpoint_tokenize="tokenize" in self.recomputed_stages,
+            checkpoint_layers="cost_layers" in self.recomputed_stages,
         )
 
     def build(self) -> FlowFormer:
@@ -330,7 +337,7 @@ class BackboneConfig:
             recon_head_depth=self.recon_head_depth,
             decoder_dim=self.decoder_dim,
             global_motion=self.decoder_gma,
-            checkpoint_iterations="decoder" in self.activation_checkpoint,
+            checkpoint_iterations="decoder" in self.recomputed_stages,
         )
         convertor = nn.Conv2d(self.feature_dim, self.feature_dim, 1, bias=False) if traits.channel_convertor else None
         return self._flowformer(cost_encoder=cost_encoder, decoder=decoder, convertor=convertor)
@@ -340,7 +347,7 @@ class BackboneConfig:
             cost_heads=self.cost_heads,
             decoder_dim=self.decoder_dim,
             global_motion=self.decoder_gma,
-            checkpoint_iterations="decoder" in self.activation_checkpoint,
+            checkpoint_iterations="decoder" in self.recomputed_stages,
         )
 
     def _flowformer(

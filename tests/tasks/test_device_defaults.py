@@ -225,7 +225,10 @@ def test_a_network_built_without_a_device_takes_the_bounded_tokenization_and_the
     net = build_backbone()  # conf/backbone/tiny.yaml as it is: tokenize_chunk and memory_budget_gb auto
     assert net.config["tokenize_chunk"] == "auto" and net.cost_encoder.tokenize_chunk == BOUNDED_TOKENIZE_CHUNK
     assert net.config["memory_budget_gb"] == "auto" and net.memory_budget_gb is None
-    assert net.config["activation_checkpoint"] == []  # auto: nothing recomputed
+    assert net.config["activation_checkpoint"] == "auto"  # and nothing recomputed:
+    flags = ("checkpoint_tokenize", "checkpoint_layers", "checkpoint_iterations", "checkpoint_blocks")
+    assert not any(getattr(module, flag, False) for module in net.modules() for flag in flags)
+    assert any(hasattr(module, "checkpoint_iterations") for module in net.modules())
     with pytest.raises(ValueError, match="backbone.tokenize_chunk must be a positive number of cost maps, null or"):
         build_backbone(tokenize_chunk="fast")
     with pytest.raises(ValueError, match=r"backbone.memory_budget_gb must be a number of GB > 0, null \(dense\) or"):
