@@ -325,14 +325,7 @@ def test_a_row_failing_in_its_stage_under_torchrun_leaves_the_next_row_and_its_e
     row before it reports the failure, so both train the next row; rank 1, done first, ends without an error
     status, which would make torchrun stop rank 0 in the last row's evaluation. Rank 0 names the failed row."""
     checkout = checkout_with_protocol(tmp_path, "torchrun_failing", things=[])
-    result = torchrun(
-        checkout, "-m", "task=pipeline", "protocol=torchrun_failing", "trainer=ddp", "trainer.devices=2", *GLOO,
-        "model.optimizer.lr=-1,1e-4",
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-4000:]
-    assert output.count("error: 1 job(s) of this sweep failed: #0") == 1
-    _, (failed, trained) = sweep_jobs(checkout, "torchrun_failing")
+    failed, trained = torchrun_table_failing_its_first_row(checkout, "torchrun_failing", "-1,1e-4")
     assert record(failed)["status"] == "failed" and "Invalid learning rate: -1" in record(failed)["stages"][0]["error"]
     done = record(trained)
     assert done["status"] == "done" and [entry["status"] for entry in [*done["stages"], *done["evaluations"]]] == [
@@ -340,6 +333,18 @@ def test_a_row_failing_in_its_stage_under_torchrun_leaves_the_next_row_and_its_e
     ]
     assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
 
+def torchrun_table_failing_its_first_row(checkout: Path, protocol: str, learning_rates: str) -> tuple[Path, Path]:
+    """A two-row table (`model.optimizer.lr=<learning_rates>`) of `protocol` under torchrun on two processes,
+    whose first row fails: it ends with status 1 and names that row once. Its (failed, trained) rows' folders."""
+    result = torchrun(
+        checkout, "-m", "task=pipeline", f"protocol={protocol}", "trainer=ddp", "trainer.devices=2", *GLOO,
+        f"model.optimizer.lr={learning_rates}",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("error: 1 job(s) of this sweep failed: #0") == 1
+    _, (failed, trained) = sweep_jobs(checkout, protocol)
+    return failed, trained
 
 
 def out_of_memory_once(tmp_path: Path) -> str:
@@ -354,14 +359,7 @@ def test_a_stage_failing_on_one_process_of_a_torchrun_table_ends_on_all_and_the_
     row is recorded failed with rank 1's error, both train the next row in a new process group, and the table
     ends with status 1 naming the failed row."""
     checkout = checkout_with_protocol(tmp_path, "torchrun_oom", evaluate=False, things=[out_of_memory_once(tmp_path)])
-    result = torchrun(
-        checkout, "-m", "task=pipeline", "protocol=torchrun_oom", "trainer=ddp", "trainer.devices=2", *GLOO,
-        "model.optimizer.lr=2e-4,1e-4",
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-4000:]
-    assert output.count("error: 1 job(s) of this sweep failed: #0") == 1
-    _, (failed, trained) = sweep_jobs(checkout, "torchrun_oom")
+    failed, trained = torchrun_table_failing_its_first_row(checkout, "torchrun_oom", "2e-4,1e-4")
     assert record(failed)["status"] == "failed"
     assert record(failed)["stages"][0]["error"] == "rank 1: OutOfMemoryError: CUDA out of memory on rank 1 (helpers.faults)"
     assert record(trained)["status"] == "done"
