@@ -38,6 +38,7 @@ PRESET = REPO_DIR / "conf" / "bench" / "gpu.yaml"
 MIN_STEP_S = 3  # a step with less of the budget left is not started
 BUDGET_S = 480  # the session's steps within 8 minutes: a lent machine's command runs 10 at most
 BENCH_START_S = 30  # a bench step's own start and its rows' configs, beside the rows' limits
+PROFILED = "bench.profile_steps=3"  # the first rows' steps under torch.profiler too: where the time goes
 DRY_SCALE = 5  # --dry-run: every limit and the budget x this (2 CPU cores at tiny sizes are slower than a GPU)
 
 TINY_ROWS = ["backbone=tiny", "bench.sizes=[[64,96]]", "bench.iters=2", "bench.batch_size=2"]
@@ -99,9 +100,9 @@ def session_steps() -> list[Step]:
               "--continue-on-collection-errors", "tests"]
     return [
         Step("probe", 60, ["-c", PROBE]),
-        bench_step("train_bf16", [train], 90),
-        bench_step("inference_tf32_bf16", [tf32, bf16], 60),
-        bench_step("mcva_bf16", [mcva], 120),
+        bench_step("train_bf16", [train], 90, PROFILED),
+        bench_step("inference_tf32_bf16", [tf32, bf16], 60, PROFILED),
+        bench_step("mcva_bf16", [mcva], 120, PROFILED),
         bench_step("compile_inference", [tf32], 150, "runtime.compile=true"),
         Step("data_wait", 150, ["run.py", *DATA_WAIT], DRY_DATA_WAIT, log="data_wait.log"),
         Step("pytest_gpu", 240, pytest, log="pytest.txt"),

@@ -241,7 +241,34 @@ def measure(cfg: DictConfig) -> dict[str, Any]:
     else:
         # whole process: interpreter, torch and the weights (`built_rss_mib`, before any input) plus the step
         result |= {"peak_rss_mib": peak_rss_mib(), "built_rss_mib": built_rss}
+    if bench.profile_steps:
+        result |= profile_steps(step, bench.profile_steps, device)
     return result
+
+
+def profile_steps(step: Callable[[], None], steps: int, device: torch.device) -> dict[str, Any]:
+    """`steps` more steps under torch.profiler, after the timed ones: {"profile_wall_s": wall seconds per profiled
+    step, "profile_busy_s": seconds per step the GPU ran kernels (0 on a CPU; wall minus busy is the GPU waiting
+    for launches), "profile": the operators taking the most device time (CPU time on a CPU), then those taking
+    the most CPU time (dispatch and launch overhead)}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall_s = (time.perf_counter() - start) / steps
+    events = profiler.key_averages()
+    busy_us = sum(event.self_device_time_total for event in events) if cuda else 0.0
+    by_device = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=30,
+                             max_name_column_width=70)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)
+    return {"profile_wall_s": wall_s, "profile_busy_s": busy_us / 1e6 / steps,
+            "profile": f"{steps} steps, by device time:\n{by_device}\nby CPU time:\n{by_cpu}"}
 
 
 def _measure_in_child(config: dict, results: multiprocessing.Queue) -> None:
@@ -457,7 +484,13 @@ def run(cfg: DictConfig) -> float:
     record = {"machine": about, "setup": setup, "rows": rows}
     atomic_write_text(output_dir / "bench.json", json.dumps(record, indent=2))
     table = markdown_table(rows)
-    atomic_write_text(output_dir / "bench.md", table)
+    profiles = "".join(
+        f"\n### profile of {row.get('name') or row['path']}: {row['profile_wall_s'] * 1e3:.1f} ms a step, GPU busy "
+        f"{row['profile_busy_s'] * 1e3:.1f} ms\n\n```\n{row['profile']}\n```\n"
+        for row in rows
+        if "profile" in row
+    )
+    atomic_write_text(output_dir / "bench.md", table + profiles)
     steps = (
         f"the rows of bench.rows ({', '.join(name for name, _ in configs)})"
         if configs[0][0]
