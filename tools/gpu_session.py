@@ -4,7 +4,8 @@
     python3 tools/gpu_session.py --wheels .whl --out "$OUT"     # on the GPU machine, after `make gpu-wheels` here
     .venv/bin/python tools/gpu_session.py --dry-run              # the same steps on this CPU at tiny sizes
 
-Steps: set-up (the carried wheels into a folder on PYTHONPATH), probe (GPU, torch, the package imports), then
+Steps: set-up (the carried wheels into a folder on PYTHONPATH), probe (GPU, torch, the package imports), each
+attention's kernels timed (docs/measured/attention_backends.py, attention.log), then
 the rows of conf/bench/gpu.yaml (`task=bench bench=gpu`, the rows a step names, each row stopped after its
 bench.timeout_s): the bf16 training step; inference at 440x1024 in TF32 and bf16; the MCVA step; the inference
 row compiled (`runtime.compile=true`: compile_s); the data wait of a 100-step `trainer=gpu` training run;
@@ -13,7 +14,7 @@ its processes and recorded as stopped; the steps after the budget are recorded a
 
 Writes to --out (at most 8 files, what a lent machine sends back): summary.md (each step's status and seconds,
 the machine, the data wait, pytest's result line; also printed last), bench.md and bench.json (every bench
-step's table and record), pytest.txt, data_wait.log, session.log (every other step's output). Exit status 1
+step's table and record), pytest.txt, data_wait.log, attention.log, session.log (every other step's output). Exit status 1
 when a step did not end well. --dry-run runs every step on the CPU with the tiny backbone and tiny sizes
 (bench.row_overrides), trainer=cpu and the eager compile backend, its limits and budget x DRY_SCALE, so this
 machine checks that each command parses and starts and that the files are written.
@@ -49,6 +50,7 @@ DATA_WAIT = [
     "trainer.max_steps=100", "logger=csv", "trainer.enable_progress_bar=false",
 ]
 DRY_DATA_WAIT = ["backbone=tiny", "trainer=cpu", "data.batch_size=2", "data.train.size=[64,96]", "trainer.max_steps=3"]
+DRY_ATTENTION = ["--device", "cpu", "--backbone", "tiny", "--batch", "1", "--size", "64", "96", "--repeats", "1"]
 PROBE = (
     "import torch, hydra, lightning, flowformer.tasks.bench; "
     "print('probe: torch', torch.__version__, 'cuda', torch.version.cuda, 'hydra', hydra.__version__, "
@@ -100,6 +102,7 @@ def session_steps() -> list[Step]:
               "--continue-on-collection-errors", "tests"]
     return [
         Step("probe", 60, ["-c", PROBE]),
+        Step("attention_kernels", 90, ["docs/measured/attention_backends.py"], DRY_ATTENTION, log="attention.log"),
         bench_step("train_bf16", [train], 90, PROFILED),
         bench_step("inference_tf32_bf16", [tf32, bf16], 60, PROFILED),
         bench_step("mcva_bf16", [mcva], 120, PROFILED),

@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 Output = TypeVar("Output")
@@ -89,12 +90,40 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int, offsets: 
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
 
+# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48, the
+# LSA's 49x49 windows) run unfused on a GPU: their logits are small, and torch's fused kernels are slow for them
+# or refuse their batch (the grids of cuDNN's, flash and memory-efficient attention take at most 65535 rows, and
+# an MCVA step at batch 24 has 24*46*62 = 68448 source pixels). Measured: docs/performance.md, "Attention kernels".
+GPU_UNFUSED_MAX_LOGITS = 64 * 64
+# rows of one fused-kernel call on a GPU: CUDA's grid y and z dimensions, which those kernels put the batch in
+GPU_FUSED_MAX_ROWS = 65535
+# the fused kernels a GPU may use; cuDNN's is left out (it fails above 65535 rows and its backward was the
+# largest term of the bf16 training step on an H200: docs/performance.md, "Attention kernels")
+GPU_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """softmax(q kᵀ · scale) v over the last two dims, q [..., Lq, d], k [..., Lk, d], v [..., Lk, dv]
-    -> [..., Lq, dv], by torch's fused attention: the [Lq, Lk] logits are never held whole (at 1080p the cost
-    encoder's would take 16 GB), and it is faster. Differs from the unfused product by float32 rounding only
-    (on fixture A it moved the flow at 32 iterations from 1.9e-4 to 1.7e-4 px of the official flow)."""
+    -> [..., Lq, dv]. On a CPU, and on a GPU for long sequences, by torch's fused attention: the [Lq, Lk] logits
+    are never held whole (at 1080p the cost encoder's would take 16 GB), and it is faster; differs from the
+    unfused product by float32 rounding only (on fixture A it moved the flow at 32 iterations from 1.9e-4 to
+    1.7e-4 px of the official flow). On a GPU, short ones (GPU_UNFUSED_MAX_LOGITS) by the unfused product, and
+    fused ones without cuDNN's kernel and GPU_FUSED_MAX_ROWS rows at a time."""
+    if q.device.type == "cuda":
+        return gpu_attention(q, k, v, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def gpu_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, max_rows: int = GPU_FUSED_MAX_ROWS) -> Tensor:
+    """`softmax_attention` as a GPU runs it (any device runs it the same way; tests run it on the CPU): unfused
+    up to GPU_UNFUSED_MAX_LOGITS logits per head, else fused (GPU_FUSED_BACKENDS) `max_rows` rows at a time."""
+    if q.shape[-2] * k.shape[-2] <= GPU_UNFUSED_MAX_LOGITS:
+        return torch.matmul(torch.matmul(q, k.transpose(-2, -1)).mul_(scale).softmax(dim=-1), v)
+    with sdpa_kernel(GPU_FUSED_BACKENDS):
+        if q.shape[0] <= max_rows:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        parts = zip(*(x.split(max_rows) for x in (q, k, v)), strict=True)
+        return torch.cat([F.scaled_dot_product_attention(*part, scale=scale) for part in parts])
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:

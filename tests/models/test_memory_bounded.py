@@ -10,7 +10,12 @@ from flowformer.models import FlowFormer, cost_volume, sample_cost_window
 from flowformer.models.cost_encoder import GlobalSubsampledAttention, PatchEmbed
 from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, dense_cost_maps
 from flowformer.models.encoders import TwinsEncoder
-from flowformer.models.layers import CONVEX_UPSAMPLE_VALUES_PER_PIXEL, softmax_attention, upsample_flow_convex
+from flowformer.models.layers import (
+    CONVEX_UPSAMPLE_VALUES_PER_PIXEL,
+    gpu_attention,
+    softmax_attention,
+    upsample_flow_convex,
+)
 from flowformer.models.memory_plan import MemoryPlan, plan_memory
 
 from helpers.configs import build_backbone, refuse_dense_volume
@@ -89,6 +94,18 @@ def test_fused_attention_equals_the_written_out_product():
     q, k, v = (torch.randn(3, 4, n, 16, generator=g) for n in (37, 11, 11))
     written_out = ((q @ k.transpose(-2, -1)) * 0.25).softmax(dim=-1) @ v
     torch.testing.assert_close(softmax_attention(q, k, v, scale=0.25), written_out)
+
+
+@pytest.mark.parametrize(("lq", "lk"), [(1, 8), (8, 48), (49, 49), (80, 70)])  # the last above 64x64: fused
+def test_the_gpu_route_of_attention_equals_the_written_out_product(lq, lk):
+    """gpu_attention (what softmax_attention runs on a GPU), on the CPU: short sequences unfused, long ones fused
+    in blocks of rows (max_rows=2 of 5: three calls), values and gradients."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(5, 2, n, 8, generator=g, requires_grad=True) for n in (lq, lk, lk))
+    got = gpu_attention(q, k, v, scale=0.3, max_rows=2)
+    written_out = ((q @ k.transpose(-2, -1)) * 0.3).softmax(dim=-1) @ v
+    torch.testing.assert_close(got, written_out)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(written_out.sum(), (q, k, v)))
 
 
 @pytest.mark.parametrize("rows_per_block", [1, 2, 4, 5])
