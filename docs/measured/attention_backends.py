@@ -1,9 +1,11 @@
 """Which of torch's attention kernels is fastest for each attention the network runs (issue 35, docs/performance.md
-"Attention kernels"): records the (q, k, v) shapes that `scaled_dot_product_attention` sees in one training forward
-of the flowformer backbone (--backbone of conf/backbone, its memory settings chosen for the GPU; batch, size and precision as given), then times forward + backward of each shape with
-every backend of `torch.nn.attention.SDPBackend` with the unfused product (matmul, softmax, matmul) and with our choice (`softmax_attention`), in
-milliseconds (wall clock around a synchronised step, median of --repeats after 2 warm-ups). A backend that refuses a shape or fails is
-recorded with its error (cuDNN's and the fused kernels' grids take at most 65535 batch rows).
+"Attention kernels on a GPU"): records the (q, k, v) shapes of every attention in one training forward of a
+backbone (--backbone of conf/backbone, its memory settings chosen for the device; batch, size and precision as
+given), then times forward + backward of each shape with every backend of `torch.nn.attention.SDPBackend`, with the
+unfused product (matmul, softmax, matmul), with products and sums where there is one query, and with our choice
+(`softmax_attention`), in milliseconds (wall clock around a synchronised step, median of --repeats after 2
+warm-ups). A backend that refuses a shape or fails is recorded with its error (cuDNN's and the fused kernels'
+grids take at most 65535 batch rows).
 
     python docs/measured/attention_backends.py --batch 8 --size 368 496 --out attention.json   # on a GPU
 """
@@ -24,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flowformer.device_settings import device_memory_settings
-from flowformer.models.layers import softmax_attention
+from flowformer.models import layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -32,30 +34,51 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 def recorded_shapes(
     backbone_name: str, batch: int, size: tuple[int, int], device: torch.device, dtype: torch.dtype
 ) -> Counter:
-    """(q shape, k shape, v shape) -> calls, of every scaled_dot_product_attention in one training forward."""
+    """(q shape, k shape, v shape) -> calls in one training forward (1 decoder iteration), of every attention: those
+    of our layers (`softmax_attention`, on a GPU `gpu_attention`) and timm's Twins blocks' own
+    `scaled_dot_product_attention`."""
     seen: Counter = Counter()
-    fused = F.scaled_dot_product_attention
+    fused, routed = F.scaled_dot_product_attention, layers.gpu_attention
+    inside_ours = []
 
-    def recording(q, k, v, *args, **kwargs):
-        seen[(tuple(q.shape), tuple(k.shape), tuple(v.shape))] += 1
+    def record(q, k, v) -> None:
+        if not inside_ours:
+            seen[(tuple(q.shape), tuple(k.shape), tuple(v.shape))] += 1
+
+    def recording_fused(q, k, v, *args, **kwargs):
+        record(q, k, v)
         return fused(q, k, v, *args, **kwargs)
+
+    def recording_routed(q, k, v, **kwargs):
+        record(q, k, v)
+        inside_ours.append(True)
+        try:
+            return routed(q, k, v, **kwargs)
+        finally:
+            inside_ours.pop()
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         backbone = compose("config", overrides=[f"backbone={backbone_name}"]).backbone
     backbone = device_memory_settings(backbone, device, training=True)  # as `task=bench` builds it
     net = hydra.utils.instantiate(backbone).to(device).train()
     images = [torch.rand(batch, 3, *size, device=device) * 255 for _ in range(2)]  # [B,3,H,W]
-    F.scaled_dot_product_attention = recording
+    F.scaled_dot_product_attention, layers.gpu_attention = recording_fused, recording_routed
     try:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             net(*images, iters=1)
     finally:
-        F.scaled_dot_product_attention = fused
+        F.scaled_dot_product_attention, layers.gpu_attention = fused, routed
     return seen
 
 
 def unfused(q, k, v):
     return torch.matmul(torch.matmul(q, k.transpose(-2, -1)).mul(q.shape[-1] ** -0.5).softmax(-1), v)
+
+
+def elementwise(q, k, v):
+    """One query (Lq = 1) as products and sums instead of batched matrix products: [N, h, 1, d] -> [N, h, 1, dv]."""
+    weights = (q * k).sum(-1).mul(q.shape[-1] ** -0.5).softmax(-1)  # [N, h, Lk]
+    return (weights.unsqueeze(-1) * v).sum(-2, keepdim=True)
 
 
 def time_ms(run, inputs, repeats: int) -> float:
@@ -89,7 +112,9 @@ def time_shape(shapes, device: torch.device, dtype: torch.dtype, repeats: int) -
         except RuntimeError as error:
             results[name] = f"fails: {str(error).splitlines()[0][:100]}"
     results["UNFUSED"] = time_ms(unfused, inputs, repeats)
-    results["OURS"] = time_ms(lambda q, k, v: softmax_attention(q, k, v, scale=q.shape[-1] ** -0.5), inputs, repeats)
+    if shapes[0][-2] == 1:
+        results["ELEMENTWISE"] = time_ms(elementwise, inputs, repeats)
+    results["OURS"] = time_ms(lambda q, k, v: layers.softmax_attention(q, k, v, scale=q.shape[-1] ** -0.5), inputs, repeats)
     return results
 
 

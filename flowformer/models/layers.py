@@ -90,15 +90,16 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int, offsets: 
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
 
-# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48, the
-# LSA's 49x49 windows) run unfused on a GPU: their logits are small, and torch's fused kernels are slow for them
-# or refuse their batch (the grids of cuDNN's, flash and memory-efficient attention take at most 65535 rows, and
-# an MCVA step at batch 24 has 24*46*62 = 68448 source pixels). Measured: docs/performance.md, "Attention kernels".
-GPU_UNFUSED_MAX_LOGITS = 64 * 64
+# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48) run
+# unfused on a GPU: torch's fused kernels refuse their batch (the grids of cuDNN's, flash and memory-efficient
+# attention take at most 65535 rows; an MCVA step at batch 24 has 24*46*62 = 68448 source pixels) and their logits
+# are small. Longer ones (the LSA's 49x49 windows, the GSA's) run fused: their logits would cost memory (the LSA's
+# held for backward added 2.3 GiB to the bf16 training step). docs/performance.md, "Attention kernels on a GPU".
+GPU_UNFUSED_MAX_LOGITS = 8 * 64
 # rows of one fused-kernel call on a GPU: CUDA's grid y and z dimensions, which those kernels put the batch in
 GPU_FUSED_MAX_ROWS = 65535
-# the fused kernels a GPU may use; cuDNN's is left out (it fails above 65535 rows and its backward was the
-# largest term of the bf16 training step on an H200: docs/performance.md, "Attention kernels")
+# the fused kernels a GPU may use; cuDNN's is left out (it failed the MCVA step, and its backward was the largest
+# term of the bf16 training step on an H200: docs/performance.md, "Attention kernels on a GPU")
 GPU_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -96,7 +96,7 @@ def test_fused_attention_equals_the_written_out_product():
     torch.testing.assert_close(softmax_attention(q, k, v, scale=0.25), written_out)
 
 
-@pytest.mark.parametrize(("lq", "lk"), [(1, 8), (8, 48), (49, 49), (80, 70)])  # the last above 64x64: fused
+@pytest.mark.parametrize(("lq", "lk"), [(1, 8), (8, 48), (49, 49), (80, 70)])  # the last two above 8x64: fused
 def test_the_gpu_route_of_attention_equals_the_written_out_product(lq, lk):
     """gpu_attention (what softmax_attention runs on a GPU), on the CPU: short sequences unfused, long ones fused
     in blocks of rows (max_rows=2 of 5: three calls), values and gradients."""
