@@ -28,6 +28,10 @@ are chosen for bench.device (flowformer/device_settings.py); each row records it
 Every row also counts, on any device, the operators (aten calls: kernel launches on a GPU) that the eager
 network dispatches in one step of the row and in one decoder iteration (`count_operators`).
 
+`bench.profile_steps=N` runs N more steps of each row under torch.profiler after the timed ones (`profile_steps`):
+the row records seconds per profiled step, the seconds the GPU ran kernels in it (wall minus busy: the GPU
+waiting for launches) and the operators taking the most device and CPU time, also in bench.md.
+
 Every row (size x memory path x recomputed stages x precision) runs in a fresh process, so its peak memory is its own (a CPU
 process's peak RSS only grows) and a row that runs out of memory is recorded as such instead of ending the
 benchmark. Writes <run dir>/bench.json (the machine and every row), bench.md (the table) and bench.png (time and
@@ -251,6 +255,7 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device) ->
     step, "profile_busy_s": seconds per step the GPU ran kernels (0 on a CPU; wall minus busy is the GPU waiting
     for launches), "profile": the operators taking the most device time (CPU time on a CPU), then those taking
     the most CPU time (dispatch and launch overhead)}."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -263,7 +268,8 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device) ->
             torch.cuda.synchronize(device)
         wall_s = (time.perf_counter() - start) / steps
     events = profiler.key_averages()
-    busy_us = sum(event.self_device_time_total for event in events) if cuda else 0.0
+    # the kernels' own rows (an operator's row repeats its kernels' time), as the profiler's "Self CUDA time total"
+    busy_us = sum(event.self_device_time_total for event in events if event.device_type != DeviceType.CPU)
     by_device = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=30,
                              max_name_column_width=70)
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)

@@ -57,6 +57,24 @@ def test_training_rows_for_each_set_of_recomputed_stages(tmp_path):
     assert bench.row_config(cfg, [64, 96], None, "32-true").backbone.activation_checkpoint == "auto"  # the backbone's
 
 
+def test_profiled_steps_say_where_a_training_step_spends_its_time(tmp_path):
+    """bench.profile_steps: after the timed steps, that many under torch.profiler; each row records seconds per
+    profiled step, the GPU's busy seconds (none on a CPU) and the operators by time, and bench.md shows them."""
+    cfg = config(
+        "bench.mode=train", "bench.sizes=[[64,96]]", "bench.iters=1", "bench.repeats=1", "bench.warmup=0",
+        "bench.profile_steps=2", f"paths.output_dir={tmp_path}",
+    )
+    bench.run(cfg)
+    row = json.loads((tmp_path / "bench.json").read_text())["rows"][0]
+    assert row["status"] == "ok" and row["profile_wall_s"] > 0 and row["profile_busy_s"] == 0
+    by_device, by_cpu = row["profile"].split("by CPU time:")
+    assert by_device.startswith("2 steps, by device time:") and "aten::convolution_backward" in by_device
+    assert "aten::" in by_cpu
+    assert f"### profile of dense: {row['profile_wall_s'] * 1e3:.1f} ms a step, GPU busy 0.0 ms" in (
+        tmp_path / "bench.md"
+    ).read_text()
+
+
 def test_a_row_that_does_not_finish_is_recorded_and_the_benchmark_goes_on(tmp_path):
     cfg = config("bench.sizes=[[64,96]]", "bench.timeout_s=0.01", f"paths.output_dir={tmp_path}")
     assert torch.isnan(torch.tensor(bench.run(cfg)))
