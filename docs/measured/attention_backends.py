@@ -1,5 +1,5 @@
 """Which of torch's attention kernels is fastest for each attention the network runs (issue 35, docs/performance.md
-"Attention kernels on a GPU"): records the (q, k, v) shapes of every attention in one training forward of a
+"Attention kernels"): records the (q, k, v) shapes of every attention in one training forward of a
 backbone (--backbone of conf/backbone, its memory settings chosen for the device; batch, size and precision as
 given), then times forward + backward of each shape with every backend of `torch.nn.attention.SDPBackend`, with the
 unfused product (matmul, softmax, matmul), with products and sums where there is one query, and with our choice
@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flowformer.device_settings import device_memory_settings
-from flowformer.models import layers
+from flowformer.models import cost_encoder, layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -34,11 +34,12 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 def recorded_shapes(
     backbone_name: str, batch: int, size: tuple[int, int], device: torch.device, dtype: torch.dtype
 ) -> Counter:
-    """(q shape, k shape, v shape) -> calls in one training forward (1 decoder iteration), of every attention: those
-    of our layers (`softmax_attention`, on a GPU `gpu_attention`) and timm's Twins blocks' own
+    """(q shape, k shape, v shape) -> calls in one training forward (1 decoder iteration), of every attention: our
+    layers' (`softmax_attention`, wherever a module of flowformer.models holds it) and timm's Twins blocks' own
     `scaled_dot_product_attention`."""
     seen: Counter = Counter()
-    fused, routed = F.scaled_dot_product_attention, layers.gpu_attention
+    fused, ours = F.scaled_dot_product_attention, layers.softmax_attention
+    holders = [module for module in (layers, cost_encoder) if module.softmax_attention is ours]
     inside_ours = []
 
     def record(q, k, v) -> None:
@@ -49,11 +50,11 @@ def recorded_shapes(
         record(q, k, v)
         return fused(q, k, v, *args, **kwargs)
 
-    def recording_routed(q, k, v, **kwargs):
+    def recording_ours(q, k, v, **kwargs):
         record(q, k, v)
         inside_ours.append(True)
         try:
-            return routed(q, k, v, **kwargs)
+            return ours(q, k, v, **kwargs)
         finally:
             inside_ours.pop()
 
@@ -62,12 +63,16 @@ def recorded_shapes(
     backbone = device_memory_settings(backbone, device, training=True)  # as `task=bench` builds it
     net = hydra.utils.instantiate(backbone).to(device).train()
     images = [torch.rand(batch, 3, *size, device=device) * 255 for _ in range(2)]  # [B,3,H,W]
-    F.scaled_dot_product_attention, layers.gpu_attention = recording_fused, recording_routed
+    F.scaled_dot_product_attention = recording_fused
+    for module in holders:
+        module.softmax_attention = recording_ours
     try:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             net(*images, iters=1)
     finally:
-        F.scaled_dot_product_attention, layers.gpu_attention = fused, routed
+        F.scaled_dot_product_attention = fused
+        for module in holders:
+            module.softmax_attention = ours
     return seen
 
 

@@ -90,36 +90,40 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int, offsets: 
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
 
-# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48) run
-# unfused on a GPU: torch's fused kernels refuse their batch (the grids of cuDNN's, flash and memory-efficient
-# attention take at most 65535 rows; an MCVA step at batch 24 has 24*46*62 = 68448 source pixels) and their logits
-# are small. Longer ones (the LSA's 49x49 windows, the GSA's) run fused: their logits would cost memory (the LSA's
-# held for backward added 2.3 GiB to the bf16 training step). docs/performance.md, "Attention kernels on a GPU".
-GPU_UNFUSED_MAX_LOGITS = 8 * 64
+# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48) run as the
+# unfused product on every device: on a GPU torch's fused kernels refuse their batch (the grids of cuDNN's, flash
+# and memory-efficient attention take at most 65535 rows; an MCVA step at batch 24 has 24*46*62 = 68448 source
+# pixels), and on the CPU the fused kernel's backward is slower for them (the quickstart's decoder attention 4.9
+# -> 1.3 ms a training step). Longer ones (the LSA's 49x49 windows, the GSA's) run fused: their logits would cost
+# memory (the LSA's held for backward added 2.3 GiB to the bf16 training step on an H200) and time.
+# docs/performance.md, "Attention kernels".
+UNFUSED_MAX_LOGITS = 8 * 64
 # rows of one fused-kernel call on a GPU: CUDA's grid y and z dimensions, which those kernels put the batch in
 GPU_FUSED_MAX_ROWS = 65535
 # the fused kernels a GPU may use; cuDNN's is left out (it failed the MCVA step, and its backward was the largest
-# term of the bf16 training step on an H200: docs/performance.md, "Attention kernels on a GPU")
+# term of the bf16 training step on an H200: docs/performance.md, "Attention kernels")
 GPU_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """softmax(q kᵀ · scale) v over the last two dims, q [..., Lq, d], k [..., Lk, d], v [..., Lk, dv]
-    -> [..., Lq, dv]. On a CPU, and on a GPU for long sequences, by torch's fused attention: the [Lq, Lk] logits
-    are never held whole (at 1080p the cost encoder's would take 16 GB), and it is faster; differs from the
-    unfused product by float32 rounding only (on fixture A it moved the flow at 32 iterations from 1.9e-4 to
-    1.7e-4 px of the official flow). On a GPU, short ones (GPU_UNFUSED_MAX_LOGITS) by the unfused product, and
-    fused ones without cuDNN's kernel and GPU_FUSED_MAX_ROWS rows at a time."""
+    -> [..., Lq, dv]. Short attentions (UNFUSED_MAX_LOGITS) as the product written out, as the official layers
+    compute it; longer ones by torch's fused attention, which never holds the [Lq, Lk] logits whole (at 1080p the
+    cost encoder's would take 16 GB) and is faster (on a GPU: `gpu_fused_attention`). The fused kernel differs
+    from the written-out product by float32 rounding only (on fixture A it moved the flow at 32 iterations from
+    1.9e-4 to 1.7e-4 px of the official flow)."""
+    if q.shape[-2] * k.shape[-2] <= UNFUSED_MAX_LOGITS:
+        return torch.matmul(torch.matmul(q, k.transpose(-2, -1)).mul_(scale).softmax(dim=-1), v)
     if q.device.type == "cuda":
-        return gpu_attention(q, k, v, scale=scale)
+        return gpu_fused_attention(q, k, v, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def gpu_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, max_rows: int = GPU_FUSED_MAX_ROWS) -> Tensor:
-    """`softmax_attention` as a GPU runs it (any device runs it the same way; tests run it on the CPU): unfused
-    up to GPU_UNFUSED_MAX_LOGITS logits per head, else fused (GPU_FUSED_BACKENDS) `max_rows` rows at a time."""
-    if q.shape[-2] * k.shape[-2] <= GPU_UNFUSED_MAX_LOGITS:
-        return torch.matmul(torch.matmul(q, k.transpose(-2, -1)).mul_(scale).softmax(dim=-1), v)
+def gpu_fused_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, max_rows: int = GPU_FUSED_MAX_ROWS
+) -> Tensor:
+    """Fused attention as a GPU runs it (any device runs it so; tests run it on the CPU): by GPU_FUSED_BACKENDS,
+    `max_rows` rows of the batch (dim 0) a call."""
     with sdpa_kernel(GPU_FUSED_BACKENDS):
         if q.shape[0] <= max_rows:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -134,11 +138,9 @@ def split_heads(x: Tensor, heads: int) -> Tensor:
 
 def multi_head_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Heads split by `split_heads`: q [N, heads, Lq, d] (or [1, heads, Lq, d], broadcast), k [N, heads, Lk, d],
-    v [N, heads, Lk, dv] -> [N, Lq, heads·dv], softmax((q kᵀ)·d^-0.5) v per head.
-
-    Fused (`softmax_attention`): one operator instead of the official layers' ten (split, product, scale after
-    it, softmax, product, merge); the same to float rounding. A broadcast q is expanded: torch's CPU kernel
-    takes only equal batches (it falls back to the unfused product otherwise)."""
+    v [N, heads, Lk, dv] -> [N, Lq, heads·dv], softmax((q kᵀ)·d^-0.5) v per head (`softmax_attention`; the heads
+    split once, not at every call as the official layers do). A broadcast q is expanded: torch's fused CPU kernel
+    takes only equal batches."""
     n = k.shape[0]
     out = softmax_attention(q if q.shape[0] == n else q.expand(n, -1, -1, -1), k, v, scale=q.shape[-1] ** -0.5)
     return out.transpose(1, 2).flatten(2)

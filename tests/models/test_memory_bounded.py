@@ -12,7 +12,7 @@ from flowformer.models.cost_volume import DenseCostVolume, FeatureCostVolume, de
 from flowformer.models.encoders import TwinsEncoder
 from flowformer.models.layers import (
     CONVEX_UPSAMPLE_VALUES_PER_PIXEL,
-    gpu_attention,
+    gpu_fused_attention,
     softmax_attention,
     upsample_flow_convex,
 )
@@ -89,23 +89,28 @@ def test_training_windows_are_recomputed_in_backward(window_source):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
-def test_fused_attention_equals_the_written_out_product():
+@pytest.mark.parametrize(("lq", "lk"), [(1, 8), (8, 48), (37, 20), (49, 49)])  # the last two above 8x64: fused
+def test_attention_equals_the_written_out_product(lq, lk):
+    """softmax_attention: short attentions written out, long ones by torch's fused kernel; values and gradients."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(3, 4, n, 16, generator=g) for n in (37, 11, 11))
+    q, k, v = (torch.randn(3, 4, n, 16, generator=g, requires_grad=True) for n in (lq, lk, lk))
+    got = softmax_attention(q, k, v, scale=0.25)
     written_out = ((q @ k.transpose(-2, -1)) * 0.25).softmax(dim=-1) @ v
-    torch.testing.assert_close(softmax_attention(q, k, v, scale=0.25), written_out)
+    torch.testing.assert_close(got, written_out)
+    grads = (torch.autograd.grad(out.sum(), (q, k, v)) for out in (got, written_out))
+    torch.testing.assert_close(*grads)
 
 
-@pytest.mark.parametrize(("lq", "lk"), [(1, 8), (8, 48), (49, 49), (80, 70)])  # the last two above 8x64: fused
-def test_the_gpu_route_of_attention_equals_the_written_out_product(lq, lk):
-    """gpu_attention (what softmax_attention runs on a GPU), on the CPU: short sequences unfused, long ones fused
-    in blocks of rows (max_rows=2 of 5: three calls), values and gradients."""
+def test_fused_attention_as_a_gpu_runs_it_equals_the_written_out_product():
+    """gpu_fused_attention (what softmax_attention runs on a GPU for long attentions), on the CPU: without cuDNN's
+    kernel and in blocks of rows (max_rows=2 of 5: three calls), values and gradients."""
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(5, 2, n, 8, generator=g, requires_grad=True) for n in (lq, lk, lk))
-    got = gpu_attention(q, k, v, scale=0.3, max_rows=2)
+    q, k, v = (torch.randn(5, 2, n, 8, generator=g, requires_grad=True) for n in (80, 70, 70))
+    got = gpu_fused_attention(q, k, v, scale=0.3, max_rows=2)
     written_out = ((q @ k.transpose(-2, -1)) * 0.3).softmax(dim=-1) @ v
     torch.testing.assert_close(got, written_out)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(written_out.sum(), (q, k, v)))
+    grads = (torch.autograd.grad(out.sum(), (q, k, v)) for out in (got, written_out))
+    torch.testing.assert_close(*grads)
 
 
 @pytest.mark.parametrize("rows_per_block", [1, 2, 4, 5])
