@@ -307,9 +307,19 @@ class RecurrentRefinement(nn.Module):
         forward passes to `refine`) at the target positions coords1 [B, 2, H1, W1]."""
         raise NotImplementedError
 
-    def compile_iteration(self, backend: str, mode: str) -> None:
-        """torch.compile `iteration` (`runtime.compile`): `refine` then runs every iteration compiled."""
-        self.compiled_iteration = torch.compile(self.iteration, backend=backend, mode=mode)
+    def compile_iteration(self, backend: str, mode: str, own_outputs: bool = False) -> None:
+        """torch.compile `iteration` (`runtime.compile`): `refine` then runs every iteration compiled.
+        own_outputs (under CUDA graphs): each iteration's outputs are copied out of the graph's memory, which its
+        next replay overwrites while the next iteration reads them and the training loss keeps them."""
+        compiled = torch.compile(self.iteration, backend=backend, mode=mode)
+        if not own_outputs:
+            self.compiled_iteration = compiled
+            return
+
+        def iteration_with_own_outputs(*args: Any) -> tuple[Tensor | None, ...]:
+            return tuple(None if output is None else output.clone() for output in compiled(*args))
+
+        self.compiled_iteration = iteration_with_own_outputs
 
     def iteration(
         self,

@@ -157,20 +157,39 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     block, flow update and upsampling (`RecurrentRefinement.compile_iteration`): compile time does not grow with
     the decoder's iterations, and `state_dict()` keys stay the plain ones (no `_orig_mod.`), so checkpoints load
     into uncompiled networks. Each region compiles on its first call with a new input shape or mode (train /
-    eval)."""
+    eval). Under CUDA graphs (`region_compile_settings`) only the decoder's iteration is graphed."""
     if not settings.compile:
         return
-    from torch._inductor import list_mode_options  # here: importing inductor costs every run 1.5 s of CPU
-
     backend, mode = settings.compile_backend, settings.compile_mode
-    modes = list(list_mode_options())  # other backends ignore the mode
-    if backend == "inductor" and mode not in modes:
-        raise ValueError(f"runtime.compile_mode={mode!r}: expected one of inductor's modes {', '.join(modes)}")
+    regions_settings, cuda_graphs = region_compile_settings(backend, mode)
     regions = compile_regions(net)
     for region in regions:
-        region.compile(backend=backend, mode=mode)
-    net.memory_decoder.compile_iteration(backend=backend, mode=mode)
-    log.info("torch.compile %s (mode %s): %d regions and the decoder's iteration", backend, mode, len(regions))
+        region.compile(backend=backend, **regions_settings)
+    net.memory_decoder.compile_iteration(backend=backend, mode=mode, own_outputs=cuda_graphs)
+    log.info(
+        "torch.compile %s (mode %s): %d regions and the decoder's iteration%s", backend, mode, len(regions),
+        " (CUDA graphs: the iteration alone)" if cuda_graphs else "",
+    )
+
+
+def region_compile_settings(backend: str, mode: str) -> tuple[dict[str, Any], bool]:
+    """(torch.compile's keyword arguments for the regions other than the decoder's iteration, whether `mode` uses
+    CUDA graphs). Inductor's modes with CUDA graphs (reduce-overhead, max-autotune) graph the decoder's iteration
+    alone; the other regions get the mode's other options. Torch's CUDA graph trees refuse a graphed region's
+    output as the input of another graphed region, or of its own next replay, in the same step ("accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run": every region graphed failed on an H200,
+    docs/performance.md), and batch-1 inference is bound by the decoder iteration's launches."""
+    if backend != "inductor":
+        return {"mode": mode}, False
+    from torch._inductor import list_mode_options  # here: importing inductor costs every run 1.5 s of CPU
+
+    modes = list(list_mode_options())
+    if mode not in modes:
+        raise ValueError(f"runtime.compile_mode={mode!r}: expected one of inductor's modes {', '.join(modes)}")
+    options = dict(list_mode_options(mode))
+    if not options.pop("triton.cudagraphs", False):
+        return {"mode": mode}, False
+    return {"options": options}, True
 
 
 def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:

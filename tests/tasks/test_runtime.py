@@ -15,7 +15,7 @@ from torch._dynamo import lookup_backend, register_backend
 from torch._dynamo.utils import counters
 
 from flowformer.tasks import bench, run_task
-from flowformer.tasks.runtime import compile_network, configure_runtime
+from flowformer.tasks.runtime import compile_network, configure_runtime, region_compile_settings
 from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config as config
@@ -194,6 +194,36 @@ def test_a_compiled_decoder_iteration_is_one_graph(decoder):
     assert len(calls_12) - len(calls_4) == 8
     last = {node.target for node in calls_12[-1].graph.nodes}  # the last iteration's graph
     assert {torch.nn.functional.grid_sample, torch.nn.functional.unfold, torch.sigmoid} <= last
+
+
+def test_cuda_graphs_graph_the_decoder_iteration_alone():
+    """Inductor's modes with CUDA graphs graph the decoder's iteration only: the other regions get the mode's
+    other options (graphed regions feeding each other fail under torch's CUDA graph trees)."""
+    assert region_compile_settings("inductor", "default") == ({"mode": "default"}, False)
+    assert region_compile_settings("inductor", "reduce-overhead") == ({"options": {}}, True)
+    settings, cuda_graphs = region_compile_settings("inductor", "max-autotune")
+    assert cuda_graphs and settings["options"]["max_autotune"] and "triton.cudagraphs" not in settings["options"]
+    assert region_compile_settings("aot_eager", "reduce-overhead") == ({"mode": "reduce-overhead"}, False)
+    with pytest.raises(ValueError, match="runtime.compile_mode='fast'"):
+        region_compile_settings("inductor", "fast")
+
+
+def test_a_compiled_iteration_with_its_own_outputs_gives_the_uncompiled_flow_and_gradients():
+    """compile_iteration(own_outputs=True), as CUDA graphs run it: every iteration's outputs copied out of what
+    the compiled graph returns; the flow of every iteration and the gradients are the uncompiled ones."""
+    torch.manual_seed(0)
+    net, reference = build_backbone(), build_backbone()
+    reference.load_state_dict(net.state_dict())
+    net.memory_decoder.compile_iteration(backend="call_recording_eager", mode="default", own_outputs=True)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    CALLED_GRAPHS.clear()
+    predictions = [model(*images, iters=3)["flow_predictions"] for model in (net, reference)]
+    assert len(CALLED_GRAPHS) == 3  # each iteration ran compiled
+    torch.testing.assert_close(predictions[0], predictions[1])
+    for flows, model in zip(predictions, (net, reference)):
+        sum(flow.abs().mean() for flow in flows).backward()
+    for (name, parameter), expected in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, msg=name)
 
 
 def test_a_compiled_training_step_with_recomputed_iterations_gives_the_uncompiled_gradients():
