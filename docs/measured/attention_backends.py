@@ -2,7 +2,7 @@
 "Attention kernels"): records the (q, k, v) shapes of every attention in one training forward of a
 backbone (--backbone of conf/backbone, its memory settings chosen for the device; batch, size and precision as
 given), then times forward + backward of each shape with every backend of `torch.nn.attention.SDPBackend`, with the
-unfused product (matmul, softmax, matmul), with products and sums where there is one query, and with our choice
+unfused product (matmul, softmax, matmul), with products and sums for the short ones, and with our choice
 (`softmax_attention`), in milliseconds (wall clock around a synchronised step, median of --repeats after 2
 warm-ups). A backend that refuses a shape or fails is recorded with its error (cuDNN's and the fused kernels'
 grids take at most 65535 batch rows).
@@ -81,9 +81,10 @@ def unfused(q, k, v):
 
 
 def elementwise(q, k, v):
-    """One query (Lq = 1) as products and sums instead of batched matrix products: [N, h, 1, d] -> [N, h, 1, dv]."""
-    weights = (q * k).sum(-1).mul(q.shape[-1] ** -0.5).softmax(-1)  # [N, h, Lk]
-    return (weights.unsqueeze(-1) * v).sum(-2, keepdim=True)
+    """Products and sums instead of batched matrix products, for short attentions: [N, h, Lq, d] -> [N, h, Lq, dv],
+    holding [N, h, Lq, Lk, d] at once."""
+    weights = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1).mul(q.shape[-1] ** -0.5).softmax(-1)  # [N, h, Lq, Lk]
+    return (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
 
 
 def time_ms(run, inputs, repeats: int) -> float:
@@ -117,7 +118,7 @@ def time_shape(shapes, device: torch.device, dtype: torch.dtype, repeats: int) -
         except RuntimeError as error:
             results[name] = f"fails: {str(error).splitlines()[0][:100]}"
     results["UNFUSED"] = time_ms(unfused, inputs, repeats)
-    if shapes[0][-2] == 1:
+    if shapes[0][-2] * shapes[1][-2] <= layers.UNFUSED_MAX_LOGITS:
         results["ELEMENTWISE"] = time_ms(elementwise, inputs, repeats)
     results["OURS"] = time_ms(lambda q, k, v: layers.softmax_attention(q, k, v, scale=q.shape[-1] ** -0.5), inputs, repeats)
     return results
