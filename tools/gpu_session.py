@@ -14,10 +14,10 @@ its processes and recorded as stopped; the steps after the budget are recorded a
 
 Writes to --out (at most 8 files, what a lent machine sends back): summary.md (each step's status and seconds,
 the machine, the data wait, pytest's result line; also printed last), bench.md and bench.json (every bench
-step's table and record), pytest.txt, data_wait.log, attention.log, session.log (every other step's output). Exit status 1
-when a step did not end well. --dry-run runs every step on the CPU with the tiny backbone and tiny sizes
-(bench.row_overrides), trainer=cpu and the eager compile backend, its limits and budget x DRY_SCALE, so this
-machine checks that each command parses and starts and that the files are written.
+step's table and record), pytest.txt, data_wait.log, attention.log, session.log (every other step's output).
+Exit status 1 when a step did not end well. --dry-run runs every step on the CPU with the tiny backbone and tiny
+sizes (bench.row_overrides), trainer=cpu and the eager compile backend, its limits and budget x DRY_SCALE, so
+this machine checks that each command parses and starts and that the files are written.
 """
 
 from __future__ import annotations
