@@ -53,8 +53,12 @@ def bilinear_sample(maps: Tensor, coords: Tensor) -> Tensor:
     over at most GRID_SAMPLE_MAX_BATCH maps per call.
     """
     height, width = maps.shape[-2:]
-    # x and y at once, each divided by its own side - 1 (the same float32 division as by a scalar)
-    grid = 2 * coords / coords.new_tensor([width - 1, height - 1]) - 1
+    # x and y at once, each divided by its own side - 1 (the same float32 division as by a scalar). The divisor
+    # [W-1, H-1] is made on the device, by one kernel whose two values are its exact endpoints: a tensor made
+    # from a list is copied from the host, which on a GPU waits for every queued kernel (the decoder and MCVA's
+    # query rounds sample at every iteration: 13 waits in a training step on the H200)
+    divisor = torch.linspace(width - 1, height - 1, 2, dtype=coords.dtype, device=coords.device)
+    grid = 2 * coords / divisor - 1
     if maps.shape[0] <= GRID_SAMPLE_MAX_BATCH:
         return F.grid_sample(maps, grid, align_corners=True)
     chunks = zip(maps.split(GRID_SAMPLE_MAX_BATCH), grid.split(GRID_SAMPLE_MAX_BATCH))
