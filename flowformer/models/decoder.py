@@ -6,7 +6,7 @@ The refinement loop (`RecurrentRefinement`) is shared with RAFT's decoder (flowf
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -173,12 +173,30 @@ class MotionEncoder(nn.Module):
         return torch.cat([out, flow], dim=1)
 
 
-class SepConvGRU(nn.Module):
-    """GRU with a horizontal (1x5) then a vertical (5x1) pass."""
+class GRUPass(NamedTuple):
+    """One pass of `SepConvGRU` for one forward: its gates' weights split by what they read, and the share of
+    the gates that the context input gives (`SepConvGRU.read_context`)."""
 
-    def __init__(self, *, hidden: int, input_dim: int) -> None:
+    context_gates: Tensor  # [B, 3*hidden, H, W]: z, r and q's convolutions of the context input, with the biases
+    input_weight: Tensor  # [3*hidden, input_dim - context_dim, kh, kw]: z, r and q's over the iteration's input
+    state_weight: Tensor  # [2*hidden, hidden, kh, kw]: z and r's over the state h
+    reset_weight: Tensor  # [hidden, hidden, kh, kw]: q's over r*h
+
+
+class SepConvGRU(nn.Module):
+    """GRU with a horizontal (1x5) then a vertical (5x1) pass over the state h and the input
+    x = cat[context input, the iteration's input] (`context_dim` channels and the rest).
+
+    The official GRU convolves cat[h, x] once per gate. A convolution of concatenated channels is the sum of the
+    convolutions of its parts, so each gate here sums the convolutions of the parts with the matching slices of
+    its weights: the context input is the same at every iteration of a forward, and its share of the six gates
+    is convolved once per forward (`read_context`); no iteration concatenates. The same numbers to float
+    rounding (docs/departures.md); the official modules and keys (convz1 ... convq2) hold the weights."""
+
+    def __init__(self, *, hidden: int, input_dim: int, context_dim: int) -> None:
         super().__init__()
         c = hidden + input_dim
+        self.context_dim = context_dim
         self.convz1 = nn.Conv2d(c, hidden, (1, 5), padding=(0, 2))
         self.convr1 = nn.Conv2d(c, hidden, (1, 5), padding=(0, 2))
         self.convq1 = nn.Conv2d(c, hidden, (1, 5), padding=(0, 2))
@@ -186,19 +204,43 @@ class SepConvGRU(nn.Module):
         self.convr2 = nn.Conv2d(c, hidden, (5, 1), padding=(2, 0))
         self.convq2 = nn.Conv2d(c, hidden, (5, 1), padding=(2, 0))
 
-    def forward(self, h: Tensor, x: Tensor) -> Tensor:
-        # Under autocast h is bf16 and x fp32 (it holds the raw flow): each concatenation would be fp32 and each
-        # of the six convolutions would cast it to bf16 again. Cast x once: the convolutions round it the same.
+    def read_context(
+        self, context: Tensor, layout: torch.memory_format = torch.contiguous_format
+    ) -> tuple[GRUPass, GRUPass]:
+        """The two passes for one forward from the context input [B, context_dim, H, W]: the weights' slices in
+        `layout` (the inputs' memory format, so no call reorders them) and, under autocast, in its dtype (cast
+        once per forward, not at every iteration's call), and the context's share of the gates."""
+        device_type = context.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        hidden, split = self.convz1.out_channels, self.convz1.out_channels + self.context_dim
+        gates_zr, gate_q, every = slice(0, 2 * hidden), slice(2 * hidden, None), slice(None)
+        state, own, rest = slice(0, hidden), slice(hidden, split), slice(split, None)  # columns: h | context | rest
+        passes = []
+        for convs in ((self.convz1, self.convr1, self.convq1), (self.convz2, self.convr2, self.convq2)):
+            weight = torch.cat([conv.weight for conv in convs])  # [3*hidden, hidden + input_dim, kh, kw]: z, r, q
+            bias = torch.cat([conv.bias for conv in convs])  # [3*hidden]
+            if dtype is not None:
+                weight, bias = weight.to(dtype), bias.to(dtype)
+            context_weight, input_weight, state_weight, reset_weight = (
+                weight[rows, columns].contiguous(memory_format=layout)
+                for rows, columns in ((every, own), (every, rest), (gates_zr, state), (gate_q, state))
+            )
+            context_gates = F.conv2d(context, context_weight, bias, padding=convs[0].padding)
+            passes.append(GRUPass(context_gates, input_weight, state_weight, reset_weight))
+        return passes[0], passes[1]
+
+    def forward(self, h: Tensor, passes: tuple[GRUPass, GRUPass], x: Tensor) -> Tensor:
+        """h [B, hidden, H, W] and the iteration's input x [B, input_dim - context_dim, H, W] -> the new h."""
+        # Under autocast h is bf16 and x fp32 (it holds the raw flow): cast x once, not at each convolution.
         if x.dtype != h.dtype:
             x = x.to(h.dtype)
-        for convz, convr, convq in (
-            (self.convz1, self.convr1, self.convq1),
-            (self.convz2, self.convr2, self.convq2),
-        ):
-            hx = torch.cat([h, x], dim=1)
-            z = torch.sigmoid(convz(hx))
-            r = torch.sigmoid(convr(hx))
-            q = torch.tanh(convq(torch.cat([r * h, x], dim=1)))
+        hidden = h.shape[1]
+        for gates in passes:
+            padding = (gates.state_weight.shape[-2] // 2, gates.state_weight.shape[-1] // 2)
+            from_input = F.conv2d(x, gates.input_weight, padding=padding) + gates.context_gates  # [B, 3*hidden]
+            zr_input, q_input = from_input.split([2 * hidden, hidden], dim=1)
+            z, r = torch.sigmoid(zr_input + F.conv2d(h, gates.state_weight, padding=padding)).chunk(2, dim=1)
+            q = torch.tanh(q_input + F.conv2d(r * h, gates.reset_weight, padding=padding))
             h = torch.lerp(h, q, z)  # (1 - z) h + z q in one operator where the official code takes four
         return h
 
@@ -216,7 +258,8 @@ class FlowHead(nn.Module):
 
 
 class UpdateBlock(nn.Module):
-    """One refinement step: (net, inp, corr, flow, attention) -> (net, up_mask [B,576,H,W], delta [B,2,H,W]);
+    """One refinement step: (net, the GRU's passes, corr, flow, attention) -> (net, up_mask [B,576,H,W],
+    delta [B,2,H,W]);
     up_mask is None when `with_mask` is false (an iteration whose full-resolution flow is not wanted).
 
     global_motion: GMA's aggregation of the motion features over the context's attention joins the GRU input
@@ -227,7 +270,7 @@ class UpdateBlock(nn.Module):
         super().__init__()
         self.encoder = MotionEncoder(corr_dim=corr_dim, dim=hidden)
         # GRU input: context, motion (and aggregated motion)
-        self.gru = SepConvGRU(hidden=hidden, input_dim=(3 if global_motion else 2) * hidden)
+        self.gru = SepConvGRU(hidden=hidden, input_dim=(3 if global_motion else 2) * hidden, context_dim=hidden)
         self.flow_head = FlowHead(hidden=hidden)
         # 8x8 convex-combination weights over a 3x3 neighbourhood; official width 256 for hidden 128
         self.mask = nn.Sequential(
@@ -236,27 +279,35 @@ class UpdateBlock(nn.Module):
         if global_motion:
             self.aggregator = Aggregate(dim=hidden)
 
+    @staticmethod
+    def layout(device: torch.device) -> torch.memory_format:
+        """The memory format of the update block's tensors. On the CPU channels-last: oneDNN convolves those
+        without reordering them to its blocked layout and back (the update block 1.15x faster on 2 CPU cores, its
+        numbers the same to float rounding; docs/performance.md, "Side by side with the official code (CPU)")."""
+        return torch.channels_last if device.type == "cpu" else torch.contiguous_format
+
+    def read_context(self, inp: Tensor) -> tuple[GRUPass, GRUPass]:
+        """The GRU's passes for one forward from the context input inp [B, hidden, H, W] (`SepConvGRU.read_context`),
+        once before the iterations."""
+        layout = self.layout(inp.device)
+        return self.gru.read_context(inp.contiguous(memory_format=layout), layout)
+
     def forward(
         self,
         net: Tensor,
-        inp: Tensor,
+        gru_passes: tuple[GRUPass, GRUPass],
         corr: Tensor,
         flow: Tensor,
         attention: Tensor | ChunkedAttention | None,
         with_mask: bool = True,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        if net.device.type == "cpu":
-            # oneDNN convolves channels-last tensors without reordering them to its blocked layout and back: the
-            # update block 1.15x faster on 2 CPU cores, its numbers the same to float rounding
-            # (docs/performance.md, "Side by side with the official code (CPU)")
-            layout = torch.channels_last
-            net, inp, corr, flow = (t.contiguous(memory_format=layout) for t in (net, inp, corr, flow))
+        """gru_passes: `read_context` of this forward's context input."""
+        layout = self.layout(net.device)
+        net, corr, flow = (t.contiguous(memory_format=layout) for t in (net, corr, flow))
         motion = self.encoder(flow, corr)
-        if attention is None:
-            gru_input = torch.cat([inp, motion], dim=1)
-        else:
-            gru_input = torch.cat([inp, motion, self.aggregator(attention, motion)], dim=1)
-        net = self.gru(net, gru_input)
+        # the GRU's input after the context: motion (and aggregated motion)
+        gru_input = motion if attention is None else torch.cat([motion, self.aggregator(attention, motion)], dim=1)
+        net = self.gru(net, gru_passes, gru_input)
         # 0.25 scales the mask logits "to balance gradients", as the official update blocks do
         return net, 0.25 * self.mask(net) if with_mask else None, self.flow_head(net)
 
@@ -325,7 +376,7 @@ class RecurrentRefinement(nn.Module):
         self,
         source: Any,
         net: Tensor,
-        inp: Tensor,
+        gru_passes: tuple[GRUPass, GRUPass],
         attention: Tensor | ChunkedAttention | None,
         coords0: Tensor,
         coords1: Tensor,
@@ -337,7 +388,7 @@ class RecurrentRefinement(nn.Module):
         -> (GRU state, coords1, flow_low [B, 2, H1, W1], flow_up [B, 2, H, W] or None)."""
         flow = coords1 - coords0
         net, up_mask, delta = self.update_block(
-            net, inp, self.correlation(source, coords1), flow, attention, with_mask=upsample
+            net, gru_passes, self.correlation(source, coords1), flow, attention, with_mask=upsample
         )
         coords1 = coords1 + delta  # fp32: a bf16 delta is promoted exactly
         flow_low = coords1 - coords0
@@ -371,6 +422,7 @@ class RecurrentRefinement(nn.Module):
             coords1 = coords1 + flow_init
         net, inp = self.split_context(context)
         attention = self.att(inp, query_chunk) if hasattr(self, "att") else None
+        gru_passes = self.update_block.read_context(inp)
         upsample_rows = None
         if activation_budget is not None:
             row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES
@@ -380,7 +432,7 @@ class RecurrentRefinement(nn.Module):
         for iteration in range(iters):
             upsample = upsample_all or iteration == iters - 1
             net, coords1, flow_low, flow_up = recomputed_in_backward(
-                self.checkpoint_iterations, step, source, net, inp, attention, coords0, coords1.detach(), upsample,
+                self.checkpoint_iterations, step, source, net, gru_passes, attention, coords0, coords1.detach(), upsample,
                 upsample_rows,
             )
             outputs.append((flow_up, flow_low))

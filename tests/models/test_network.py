@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch.nn.functional import grid_sample
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowformer.models import FlowFormer, TokenMask, build_flowformer, layers, sample_cost_window
 
@@ -128,36 +129,68 @@ def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
     assert diff.max() < 0.5 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
-def test_gru_casts_its_input_once_under_autocast() -> None:
-    """Under bf16 autocast the GRU state is bf16 and its input fp32 (the raw flow): the GRU casts the input
-    once, not each of its fp32 concatenations once per convolution (ten casts a step), with the same numbers."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def official_gru(gru, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The official SepConvGRU on the same modules: each gate one convolution of cat[h, x]."""
+    for convz, convr, convq in ((gru.convz1, gru.convr1, gru.convq1), (gru.convz2, gru.convr2, gru.convq2)):
+        hx = torch.cat([h, x], dim=1)
+        z, r = torch.sigmoid(convz(hx)), torch.sigmoid(convr(hx))
+        q = torch.tanh(convq(torch.cat([r * h, x], dim=1)))
+        h = (1 - z) * h + z * q
+    return h
 
+
+class CountOperators(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_gru_from_its_weights_slices_equals_the_official_gru(layout) -> None:
+    """The GRU sums the convolutions of its input's parts (the context's share once per forward, in
+    `read_context`) where the official one convolves their concatenation: the same numbers to float rounding,
+    with gradients, and no iteration concatenates."""
     from flowformer.models.decoder import SepConvGRU
 
-    class CountCasts(TorchDispatchMode):
-        casts = 0
+    torch.manual_seed(0)
+    gru = SepConvGRU(hidden=8, input_dim=24, context_dim=8)
+    h = torch.randn(2, 8, 6, 7).contiguous(memory_format=layout).requires_grad_()
+    context, rest = torch.randn(2, 8, 6, 7), torch.randn(2, 16, 6, 7).contiguous(memory_format=layout)
+    expected = official_gru(gru, h, torch.cat([context, rest], dim=1))
+    expected_grads = torch.autograd.grad(expected.square().sum(), [h, gru.convz1.weight, gru.convq2.bias])
+    passes = gru.read_context(context.contiguous(memory_format=layout), layout)
+    with CountOperators() as operators:
+        out = gru(h, passes, rest)
+    grads = torch.autograd.grad(out.square().sum(), [h, gru.convz1.weight, gru.convq2.bias])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+    assert torch.ops.aten.cat.default not in operators.calls
+    assert all(weight.is_contiguous(memory_format=layout) for gates in passes for weight in gates[1:])
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            CountCasts.casts += func is torch.ops.aten._to_copy.default
-            return func(*args, **(kwargs or {}))
+
+def test_gru_casts_its_input_once_under_autocast() -> None:
+    """Under bf16 autocast the GRU state is bf16 and its input fp32 (the raw flow): an iteration casts the
+    input once, and no weight (`read_context` casts the weights once per forward)."""
+    from flowformer.models.decoder import SepConvGRU
 
     torch.manual_seed(0)
-    gru = SepConvGRU(hidden=8, input_dim=12)
+    gru = SepConvGRU(hidden=8, input_dim=12, context_dim=4)
     h = torch.randn(1, 8, 6, 7).bfloat16()
     x = torch.randn(1, 12, 6, 7)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        gru(h, x)  # autocast caches the weights' casts
-        with CountCasts():
-            out = gru(h, x)
-        reference = h
-        for convz, convr, convq in ((gru.convz1, gru.convr1, gru.convq1), (gru.convz2, gru.convr2, gru.convq2)):
-            hx = torch.cat([reference, x], dim=1)  # fp32, as RAFT's GRU concatenates
-            z, r = torch.sigmoid(convz(hx)), torch.sigmoid(convr(hx))
-            q = torch.tanh(convq(torch.cat([r * reference, x], dim=1)))
-            reference = torch.lerp(reference, q, z)
-    assert CountCasts.casts == 1
-    assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
+        passes = gru.read_context(x[:, :4])
+        with CountOperators() as operators:
+            out = gru(h, passes, x[:, 4:])
+        expected = official_gru(gru, h, x.bfloat16())
+    assert operators.calls.count(torch.ops.aten._to_copy.default) == 1
+    assert all(weight.dtype == torch.bfloat16 for gates in passes for weight in gates)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0.05)
 
 
 def test_sample_cost_window_is_x_major() -> None:
