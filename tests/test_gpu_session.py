@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.configs import REPO_DIR
 from helpers.run import fresh_checkout
-
-REPO_DIR = Path(__file__).resolve().parents[1]
 
 
 def gpu_session(checkout, *arguments: str) -> subprocess.CompletedProcess:

@@ -173,6 +173,11 @@ class MotionEncoder(nn.Module):
         return torch.cat([out, flow], dim=1)
 
 
+def same_padding(weight: Tensor) -> tuple[int, int]:
+    """The padding that keeps a stride-1 convolution's odd kernel [.., kh, kw] on the input's size."""
+    return weight.shape[-2] // 2, weight.shape[-1] // 2
+
+
 class GRUPass(NamedTuple):
     """One pass of `SepConvGRU` for one forward: its gates' weights split by what they read, and the share of
     the gates that the context input gives (`SepConvGRU.read_context`)."""
@@ -225,7 +230,7 @@ class SepConvGRU(nn.Module):
                 weight[rows, columns].contiguous(memory_format=layout)
                 for rows, columns in ((every, own), (every, rest), (gates_zr, state), (gate_q, state))
             )
-            context_gates = F.conv2d(context, context_weight, bias, padding=convs[0].padding)
+            context_gates = F.conv2d(context, context_weight, bias, padding=same_padding(context_weight))
             passes.append(GRUPass(context_gates, input_weight, state_weight, reset_weight))
         return passes[0], passes[1]
 
@@ -236,7 +241,7 @@ class SepConvGRU(nn.Module):
             x = x.to(h.dtype)
         hidden = h.shape[1]
         for gates in passes:
-            padding = (gates.state_weight.shape[-2] // 2, gates.state_weight.shape[-1] // 2)
+            padding = same_padding(gates.state_weight)
             from_input = F.conv2d(x, gates.input_weight, padding=padding) + gates.context_gates  # [B, 3*hidden]
             zr_input, q_input = from_input.split([2 * hidden, hidden], dim=1)
             z, r = torch.sigmoid(zr_input + F.conv2d(h, gates.state_weight, padding=padding)).chunk(2, dim=1)
@@ -280,16 +285,19 @@ class UpdateBlock(nn.Module):
             self.aggregator = Aggregate(dim=hidden)
 
     @staticmethod
-    def layout(device: torch.device) -> torch.memory_format:
-        """The memory format of the update block's tensors. On the CPU channels-last: oneDNN convolves those
+    def layout(device: torch.device) -> torch.memory_format | None:
+        """The memory format of the update block's tensors: channels-last on the CPU, where oneDNN convolves those
         without reordering them to its blocked layout and back (the update block 1.15x faster on 2 CPU cores, its
-        numbers the same to float rounding; docs/performance.md, "Side by side with the official code (CPU)")."""
-        return torch.channels_last if device.type == "cpu" else torch.contiguous_format
+        numbers the same to float rounding; docs/performance.md, "Side by side with the official code (CPU)");
+        None elsewhere: the tensors as they come."""
+        return torch.channels_last if device.type == "cpu" else None
 
     def read_context(self, inp: Tensor) -> tuple[GRUPass, GRUPass]:
         """The GRU's passes for one forward from the context input inp [B, hidden, H, W] (`SepConvGRU.read_context`),
         once before the iterations."""
         layout = self.layout(inp.device)
+        if layout is None:
+            return self.gru.read_context(inp)
         return self.gru.read_context(inp.contiguous(memory_format=layout), layout)
 
     def forward(
@@ -303,7 +311,8 @@ class UpdateBlock(nn.Module):
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """gru_passes: `read_context` of this forward's context input."""
         layout = self.layout(net.device)
-        net, corr, flow = (t.contiguous(memory_format=layout) for t in (net, corr, flow))
+        if layout is not None:
+            net, corr, flow = (t.contiguous(memory_format=layout) for t in (net, corr, flow))
         motion = self.encoder(flow, corr)
         # the GRU's input after the context: motion (and aggregated motion)
         gru_input = motion if attention is None else torch.cat([motion, self.aggregator(attention, motion)], dim=1)

@@ -140,12 +140,17 @@ def official_gru(gru, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class CountOperators(TorchDispatchMode):
+    """The operators dispatched while active, and for each convolution whether its input is channels-last."""
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: list = []
+        self.convolutions_channels_last: list[bool] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls.append(func)
+        if func is torch.ops.aten.convolution.default:
+            self.convolutions_channels_last.append(args[0].is_contiguous(memory_format=torch.channels_last))
         return func(*args, **(kwargs or {}))
 
 
@@ -365,18 +370,9 @@ def test_update_block_convolves_channels_last_tensors_on_the_cpu(tiny: FlowForme
     channels-last tensor on the CPU, where oneDNN then skips reordering it to its blocked layout and back
     (docs/performance.md, "Side by side with the official code")."""
 
-    class ConvolutionLayouts(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layouts: list[bool] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.convolution.default:
-                self.layouts.append(args[0].is_contiguous(memory_format=torch.channels_last))
-            return func(*args, **(kwargs or {}))
-
     block = tiny.memory_decoder.update_block
-    mode = ConvolutionLayouts()
+    mode = CountOperators()
+
     def enter(*_) -> None:  # a pre-hook's return value would replace the block's arguments
         mode.__enter__()
 
@@ -389,4 +385,5 @@ def test_update_block_convolves_channels_last_tensors_on_the_cpu(tiny: FlowForme
         for hook in hooks:
             hook.remove()
     convolutions_per_iteration = 5 + 6 + 2 + 1  # motion encoder, GRU, flow head, GMA's to_v (no mask: iteration 1)
-    assert len(mode.layouts) >= 2 * convolutions_per_iteration and all(mode.layouts)
+    layouts = mode.convolutions_channels_last
+    assert len(layouts) >= 2 * convolutions_per_iteration and all(layouts)
