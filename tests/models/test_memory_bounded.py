@@ -116,7 +116,8 @@ def test_fused_attention_as_a_gpu_runs_it_equals_the_written_out_product():
 @pytest.mark.parametrize("rows_per_block", [1, 2, 4, 5])
 def test_convex_upsampling_in_row_blocks_equals_one_pass(rows_per_block):
     """Each output pixel reads its own mask values and its 3x3 flow neighbourhood (rows above and below a
-    block included), so blocks of rows give the whole image's numbers and gradients."""
+    block included), so blocks of rows give the whole image's numbers, and its gradients to float rounding (the
+    backward's sums over each pixel's 64 outputs reduce blocks of another shape)."""
     g = torch.Generator().manual_seed(2)
     flow = (torch.randn(2, 2, 5, 7, generator=g) * 3).requires_grad_()
     mask = torch.randn(2, 9 * 64, 5, 7, generator=g).requires_grad_()
@@ -128,7 +129,33 @@ def test_convex_upsampling_in_row_blocks_equals_one_pass(rows_per_block):
     expected = torch.autograd.grad((whole * weights).sum(), [flow, mask])
     got = torch.autograd.grad((blocks * weights).sum(), [flow, mask])
     for got_grad, expected_grad in zip(got, expected):
-        torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def official_convex_upsampling(flow, mask):
+    """The official `upsample_flow` (RAFT's), written out: autograd differentiates the broadcast product."""
+    batch, _, height, width = flow.shape
+    mask = torch.softmax(mask.view(batch, 1, 9, 8, 8, height, width), dim=2)
+    neighbours = torch.nn.functional.unfold(8 * flow, [3, 3], padding=1).view(batch, 2, 9, 1, 1, height, width)
+    up = torch.sum(mask * neighbours, dim=2).permute(0, 1, 4, 2, 5, 3)
+    return up.reshape(batch, 2, 8 * height, 8 * width)
+
+
+@pytest.mark.parametrize("rows_per_block", [None, 2])
+def test_convex_upsampling_equals_the_official_values_and_gradients(rows_per_block):
+    """The forward is the official one bit for bit; its own backward gives autograd's gradients (to float
+    rounding: the sums run in another order), for the dense gradient of a loss on the [B, 2, 8H, 8W] flow."""
+    g = torch.Generator().manual_seed(3)
+    flow = (torch.randn(2, 2, 5, 7, generator=g) * 3).requires_grad_()
+    mask = torch.randn(2, 9 * 64, 5, 7, generator=g).requires_grad_()
+    target = torch.randn(2, 2, 40, 56, generator=g)
+    ours = upsample_flow_convex(flow, mask, rows_per_block)
+    official = official_convex_upsampling(flow, mask)
+    torch.testing.assert_close(ours, official, rtol=0, atol=0)
+    got = torch.autograd.grad((ours - target).abs().sum(), [flow, mask])
+    expected = torch.autograd.grad((official - target).abs().sum(), [flow, mask])
+    for got_grad, expected_grad in zip(got, expected):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_bounded_decoder_upsamples_in_row_blocks_within_its_budget(monkeypatch):

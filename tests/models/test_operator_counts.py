@@ -20,14 +20,17 @@ from helpers.compose import compose_tiny_config
 # more operators): 95, 142, 120 and 2377 with torch's fused attention; bilinear_sample's divisor made on the
 # device (no copy from the host) one fewer in inference; the GRU's gates from its weights' slices (no
 # concatenation, the context's share once per forward: 98, 158, 136 and 2518 before): a pass of the GRU three
-# adds and two splits (views) more, one sigmoid and two concatenations fewer; the weights sliced once a forward
+# adds and two splits (views) more, one sigmoid and two concatenations fewer; the weights sliced once a forward;
+# the convex upsampling's own backward (layers._ConvexCombination: 159 and 2543 before): no detach of the
+# softmax's output recorded for autograd in the training forward, and in its backward one copy of the incoming
+# gradient in place of three detaches and an expand
 FORWARD_OPERATORS_PER_DECODER_ITERATION = 101  # inference (bench.mode=forward); 128 before issue 35
-TRAINING_OPERATORS_PER_DECODER_ITERATION = 159  # the training forward; 188 before issue 35
+TRAINING_OPERATORS_PER_DECODER_ITERATION = 156  # the training forward; 188 before issue 35
 # inference under bf16-mixed autocast: 158 when inference_mode made autocast cast every weight at every call,
 # 147 while every iteration cast GMA's attention map to bf16 and the flow update to fp32
 BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 138
 # forward, sequence loss, backward, clipping, AdamW (its foreach kernel on the CPU); 4657 before issue 35
-TRAINING_OPERATORS_PER_STEP = 2543
+TRAINING_OPERATORS_PER_STEP = 2535
 
 
 def counts(mode: str, precision: str = "32-true") -> dict:
