@@ -158,8 +158,8 @@ CONVEX_UPSAMPLE_VALUES_PER_PIXEL = 9 * 64 + 2 * 9 * 64 + 2 * 64
 class _ConvexCombination(torch.autograd.Function):
     """softmax(mask over its 9 neighbours) weighing the 3x3 flow neighbourhood, summed: the official forward,
     with a backward that makes the incoming gradient dense first. Autograd's own backward of the broadcast
-    product multiplied the permuted (strided) gradient of the [B, 2, 8H, 8W] flow with both factors: on a 2-core
-    CPU that took 3.5 of its 4 ms per call at the quickstart's [8, 2, 9, 8, 8, 8, 12] (docs/performance.md)."""
+    product multiplied the permuted (strided) gradient of the [B, 2, 8H, 8W] flow with both factors, the most of
+    a call's time on the CPU (measured: docs/performance.md, "Operators dispatched")."""
 
     @staticmethod
     def forward(ctx, mask: Tensor, neighbours: Tensor) -> Tensor:
@@ -191,11 +191,8 @@ def upsample_flow_convex(flow: Tensor, mask: Tensor, rows_per_block: int | None 
     if step >= height:
         up = _ConvexCombination.apply(mask, neighbours)  # [B, 2, 8, 8, H, W]
     else:
-        blocks = (
-            _ConvexCombination.apply(mask[..., top : top + step, :], neighbours[..., top : top + step, :])
-            for top in range(0, height, step)
-        )
-        up = torch.cat(list(blocks), dim=-2)
+        rows = [slice(top, top + step) for top in range(0, height, step)]
+        up = torch.cat([_ConvexCombination.apply(mask[..., r, :], neighbours[..., r, :]) for r in rows], dim=-2)
     return up.permute(0, 1, 4, 2, 5, 3).reshape(batch, 2, 8 * height, 8 * width)
 
 
