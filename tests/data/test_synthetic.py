@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset, procedural_textures
+from flowformer.data.synthetic import (
+    SyntheticFlowDataset,
+    SyntheticVideoDataset,
+    _power,
+    _sample_front,
+    _to_image,
+    _to_layer,
+    procedural_textures,
+)
 
 from helpers.warping import visible, warp_error
 
@@ -75,6 +85,12 @@ def test_masks_are_consistent_with_the_flow() -> None:
     assert (item["occlusion"][~outside] == 1).any()  # and some surfaces are hidden by other layers
 
 
+def test_a_scene_of_background_only() -> None:
+    item = SyntheticFlowDataset(num_samples=1, size=SIZE, seed=2, num_layers=0)[0]
+    # nothing in front of anything: occluded exactly where the target leaves the image
+    assert 0 < item["valid"].mean() < 1 and torch.equal(item["occlusion"], 1 - item["valid"])
+
+
 def test_deterministic_from_seed_and_index() -> None:
     first = SyntheticFlowDataset(num_samples=4, size=SIZE, seed=7)
     again = SyntheticFlowDataset(num_samples=4, size=SIZE, seed=7)
@@ -121,6 +137,47 @@ def test_a_loader_renders_its_batch_on_torch_threads_as_single_items() -> None:
         for key in ("img1", "img2", "flow", "valid", "occlusion"):
             assert torch.equal(batch[key][position], alone[key])
     assert batch["meta"]["index"].tolist() == indices
+
+
+def test_one_lookup_per_pixel_equals_every_layers_reflected_lookup() -> None:
+    """A frame's colour at a pixel is one bilinear lookup in its front layer's texture (the layers stacked); it
+    equals sampling every layer with grid_sample's reflection padding and keeping the front one, also at points
+    several image sizes outside the texture, on its edges and on its pixel centres."""
+    gen = torch.Generator().manual_seed(0)
+    layers, height, width = 4, 20, 30
+    textures = torch.rand(layers, 3, height, width, generator=gen) * 255
+    x = torch.rand(layers, 16, 24, generator=gen) * 7 * width - 3 * width
+    y = torch.rand(layers, 16, 24, generator=gen) * 7 * height - 3 * height
+    x[:, 0, :4] = torch.tensor([-0.5, width - 0.5, 0.0, width - 1.0])  # the edges of reflection, pixel centres
+    y[:, 0, :4] = torch.tensor([height - 0.5, -0.5, height - 1.0, 0.0])
+    points = torch.complex(x, y)  # [L, 16, 24] layer points
+    front = torch.randint(0, layers, (16, 24), generator=gen)
+
+    colours = _sample_front(SimpleNamespace(textures=textures), points, front)
+
+    size = torch.tensor([width, height], dtype=torch.float32)
+    grid = (torch.view_as_real(points) + 0.5) / size * 2 - 1
+    every_layer = F.grid_sample(textures, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    expected = every_layer.gather(0, front.expand(1, 3, -1, -1))[0]  # [3, 16, 24]
+    assert colours.shape == (3, 16, 24)
+    torch.testing.assert_close(colours, expected, rtol=0, atol=1e-2)
+
+
+def test_shape_powers_by_logarithms_equal_pow() -> None:
+    base = torch.cat([torch.zeros(1), torch.rand(10000, generator=torch.Generator().manual_seed(1)) * 100])
+    for exponent in (1.0, 2.0, 6.0, 1 / 2, 1 / 6):  # the superellipses' exponents and their inverses
+        expected = base**exponent
+        torch.testing.assert_close(_power(base.clone(), torch.tensor(exponent)), expected, rtol=1e-5, atol=0)
+
+
+def test_layer_and_image_motions_are_inverse() -> None:
+    scene = SyntheticFlowDataset(num_samples=1, size=SIZE, seed=5)._scene(0)
+    gen = torch.Generator().manual_seed(2)
+    points = torch.complex(torch.rand(1, 8, 8, generator=gen) * 96, torch.rand(1, 8, 8, generator=gen) * 64)
+    for t in (0.0, 0.5, 1.0):
+        there_and_back = _to_image(scene, _to_layer(scene, points, t), t)  # [L, 8, 8]: every layer's motion
+        torch.testing.assert_close(there_and_back, points.expand_as(there_and_back), rtol=0, atol=1e-4)
+    assert not torch.allclose(_to_layer(scene, points, 1.0), points.expand(len(scene.centre), -1, -1))
 
 
 def test_video_clips_are_scenes_of_the_same_kind() -> None:
