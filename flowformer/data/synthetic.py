@@ -247,7 +247,7 @@ def _sample_front(scene: _Scene, layer_points: torch.Tensor, front: torch.Tensor
     past a layer's last row has weight 0).
     """
     layers, _, height, width = scene.textures.shape
-    points = torch.view_as_real(layer_points).gather(0, front.expand(1, -1, -1).unsqueeze(-1).expand(-1, -1, -1, 2))
+    points = torch.view_as_real(layer_points).gather(0, front[None, :, :, None].expand(1, -1, -1, 2))  # [1, H, W, 2]
     x = _reflect(points[0, ..., 0], width)  # [H, W] pixels in the front layer's texture
     y = _reflect(points[0, ..., 1], height).add_(front, alpha=height)  # [H, W] rows of the stacked textures
     # pixel centres -> [-1, 1], corners off
