@@ -27,7 +27,6 @@ from flowformer.models.encoders import (
     TwinsEncoder,
 )
 from flowformer.models.flowformer import FlowFormer
-from flowformer.models.layers import PointwiseConv2d
 from flowformer.models.raft_decoder import MultiLevelCostDecoder
 
 # backbone.cost_encoder -> its class; a new cost encoder (a whole replacement) subclasses `CostEncoder` or
@@ -340,7 +339,7 @@ class BackboneConfig:
             global_motion=self.decoder_gma,
             checkpoint_iterations="decoder" in self.recomputed_stages,
         )
-        convertor = PointwiseConv2d(self.feature_dim, self.feature_dim, bias=False) if traits.channel_convertor else None
+        convertor = nn.Conv2d(self.feature_dim, self.feature_dim, 1, bias=False) if traits.channel_convertor else None
         return self._flowformer(cost_encoder=cost_encoder, decoder=decoder, convertor=convertor)
 
     def mcr_decoder_module(self) -> MultiLevelCostDecoder:

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
     CONVEX_UPSAMPLE_VALUES_PER_PIXEL,
-    PointwiseConv2d,
     coords_grid,
     feed_forward,
     linear_position_encoding,
@@ -99,7 +98,7 @@ class GMAAttention(nn.Module):
     def __init__(self, *, dim: int) -> None:
         super().__init__()
         self.scale = dim**-0.5
-        self.to_qk = PointwiseConv2d(dim, 2 * dim, bias=False)
+        self.to_qk = nn.Conv2d(dim, 2 * dim, 1, bias=False)
         self.pos_emb = RelPosEmb(dim_head=dim)
 
     def forward(self, fmap: Tensor, query_chunk: int | None = None) -> Tensor | ChunkedAttention:
@@ -140,7 +139,7 @@ class Aggregate(nn.Module):
 
     def __init__(self, *, dim: int) -> None:
         super().__init__()
-        self.to_v = PointwiseConv2d(dim, dim, bias=False)
+        self.to_v = nn.Conv2d(dim, dim, 1, bias=False)
         self.gamma = nn.Parameter(torch.zeros(1))
 
     def forward(self, attention: Tensor | ChunkedAttention, fmap: Tensor) -> Tensor:
@@ -161,7 +160,7 @@ class MotionEncoder(nn.Module):
 
     def __init__(self, *, corr_dim: int, dim: int) -> None:
         super().__init__()
-        self.convc1 = PointwiseConv2d(corr_dim, 2 * dim)
+        self.convc1 = nn.Conv2d(corr_dim, 2 * dim, 1)
         self.convc2 = nn.Conv2d(2 * dim, 3 * dim // 2, 3, padding=1)
         self.convf1 = nn.Conv2d(2, dim, 7, padding=3)
         self.convf2 = nn.Conv2d(dim, dim // 2, 3, padding=1)
@@ -280,7 +279,7 @@ class UpdateBlock(nn.Module):
         self.flow_head = FlowHead(hidden=hidden)
         # 8x8 convex-combination weights over a 3x3 neighbourhood; official width 256 for hidden 128
         self.mask = nn.Sequential(
-            nn.Conv2d(hidden, 2 * hidden, 3, padding=1), nn.ReLU(), PointwiseConv2d(2 * hidden, 64 * 9)
+            nn.Conv2d(hidden, 2 * hidden, 3, padding=1), nn.ReLU(), nn.Conv2d(2 * hidden, 64 * 9, 1)
         )
         if global_motion:
             self.aggregator = Aggregate(dim=hidden)
@@ -335,7 +334,7 @@ class ReconstructionHead(nn.Sequential):
         for i in range(recon_head_depth):
             if i > 0:
                 layers.append(nn.GELU())
-            layers.append(PointwiseConv2d(widths[i], widths[i + 1]))
+            layers.append(nn.Conv2d(widths[i], widths[i + 1], 1))
         super().__init__(*layers)
         self.recon_size = recon_size
 
@@ -478,13 +477,13 @@ class MemoryDecoder(RecurrentRefinement):
         self.checkpoint_iterations = checkpoint_iterations
         crop_dim = cost_heads * (2 * QUERY_RADIUS + 1) ** 2
         self.flow_token_encoder = nn.Sequential(
-            PointwiseConv2d(crop_dim, query_dim), nn.GELU(), PointwiseConv2d(query_dim, query_dim)
+            nn.Conv2d(crop_dim, query_dim, 1), nn.GELU(), nn.Conv2d(query_dim, query_dim, 1)
         )
         if recon_size is not None:
             self.pretrain_head = ReconstructionHead(
                 query_dim=query_dim, recon_size=recon_size, recon_head_depth=recon_head_depth
             )
-        self.proj = PointwiseConv2d(context_dim, 2 * decoder_dim)
+        self.proj = nn.Conv2d(context_dim, 2 * decoder_dim, 1)
         self.decoder_layer = MemoryDecoderLayer(
             query_dim=query_dim,
             memory_dim=memory_dim,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flowformer.models.layers import PointwiseConv2d, recomputed_in_backward
+from flowformer.models.layers import recomputed_in_backward
 from flowformer.models.memory_plan import FLOAT_BYTES
 
 if TYPE_CHECKING:  # timm (about a second to import, with wandb) is imported where a Twins encoder is built
@@ -254,7 +254,7 @@ class ResidualBlock(nn.Module):
         self.downsample = None
         if stride != 1:
             self.downsample = nn.Sequential(
-                PointwiseConv2d(in_planes, planes, stride=stride), nn.InstanceNorm2d(planes)
+                nn.Conv2d(in_planes, planes, kernel_size=1, stride=stride), nn.InstanceNorm2d(planes)
             )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -293,7 +293,7 @@ class BasicEncoder(nn.Module):
         self.layer1 = self._stage(w0, w0, stride=1)
         self.layer2 = self._stage(w0, w1, stride=2)
         self.layer3 = self._stage(w1, w2, stride=2)
-        self.conv2 = PointwiseConv2d(w2, feature_dim)
+        self.conv2 = nn.Conv2d(w2, feature_dim, kernel_size=1)
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")

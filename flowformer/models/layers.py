@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.checkpoint import checkpoint
 
 Output = TypeVar("Output")
@@ -195,36 +194,6 @@ def upsample_flow_convex(flow: Tensor, mask: Tensor, rows_per_block: int | None 
         rows = [slice(top, top + step) for top in range(0, height, step)]
         up = torch.cat([_ConvexCombination.apply(mask[..., r, :], neighbours[..., r, :]) for r in rows], dim=-2)
     return up.permute(0, 1, 4, 2, 5, 3).reshape(batch, 2, 8 * height, 8 * width)
-
-
-# 1x1 convolutions on the CPU: torch runs float32 ones on more than one thread by oneDNN, whose per-call cost
-# dominates at the decoder's sizes; its own matrix-product path (thnn_conv2d) was 1.5-3x faster forward and
-# backward wherever a map has at least this many pixels, slower on smaller ones (the cost encoder's 1x2 patches,
-# batch 512: 0.8 against 1.8 ms). docs/performance.md, "Operators dispatched".
-POINTWISE_GEMM_MIN_PIXELS = 64
-
-
-class PointwiseConv2d(nn.Conv2d):
-    """A 1x1 convolution: nn.Conv2d(in_channels, out_channels, 1, stride, bias) with its parameters and state_dict
-    keys. On the CPU in float32, maps of at least POINTWISE_GEMM_MIN_PIXELS pixels go through torch's
-    matrix-product convolution, which differs from oneDNN's by float32 rounding only (channels-last inputs: not at
-    all). Under autocast, compilation or a dispatch mode (fake tensors simulating a GPU's step, operator and FLOP
-    counters: torch's FLOP counter fails on the matrix-product convolution) it is nn.Conv2d's."""
-
-    def __init__(self, in_channels: int, out_channels: int, stride: int = 1, bias: bool = True) -> None:
-        super().__init__(in_channels, out_channels, 1, stride=stride, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if (
-            x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and x.shape[-2] * x.shape[-1] >= POINTWISE_GEMM_MIN_PIXELS
-            and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling()
-            and not is_in_torch_dispatch_mode()
-        ):
-            return torch._C._nn.thnn_conv2d(x, self.weight, (1, 1), self.bias, self.stride, (0, 0))
-        return super().forward(x)
 
 
 class Mlp(nn.Module):

@@ -387,28 +387,3 @@ def test_update_block_convolves_channels_last_tensors_on_the_cpu(tiny: FlowForme
     convolutions_per_iteration = 5 + 6 + 2 + 1  # motion encoder, GRU, flow head, GMA's to_v (no mask: iteration 1)
     layouts = mode.convolutions_channels_last
     assert len(layouts) >= 2 * convolutions_per_iteration and all(layouts)
-
-
-@pytest.mark.parametrize(
-    "stride, layout", [(1, torch.contiguous_format), (2, torch.contiguous_format), (1, torch.channels_last)]
-)
-def test_pointwise_convolutions_are_matrix_products_on_the_cpu_with_nn_conv2ds_numbers(stride, layout) -> None:
-    """A 1x1 convolution of at least POINTWISE_GEMM_MIN_PIXELS pixels runs as torch's matrix-product convolution
-    on the CPU (faster there than oneDNN's: docs/performance.md): nn.Conv2d's keys, values and gradients."""
-    torch.manual_seed(0)
-    pointwise = layers.PointwiseConv2d(24, 40, stride=stride)
-    conv = torch.nn.Conv2d(24, 40, 1, stride=stride)
-    conv.load_state_dict(pointwise.state_dict())
-    x = torch.randn(3, 24, 8, 12).contiguous(memory_format=layout).requires_grad_()
-    y, expected = pointwise(x), conv(x)
-    assert y.grad_fn.name() == "SlowConv2DBackward0" and expected.grad_fn.name() == "ConvolutionBackward0"
-    torch.testing.assert_close(y, expected)
-    grad = torch.randn_like(y)
-    ours = torch.autograd.grad(y, (x, pointwise.weight, pointwise.bias), grad)
-    theirs = torch.autograd.grad(expected, (x, conv.weight, conv.bias), grad)
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b)
-    small = torch.randn(3, 24, 4, 8)  # 32 pixels: oneDNN's convolution is the faster there
-    assert pointwise(small).grad_fn.name() == "ConvolutionBackward0"
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own convolution, in bfloat16
-        assert pointwise(x).dtype == torch.bfloat16
