@@ -125,7 +125,8 @@ def procedural_textures(gen: torch.Generator, layers: int, height: int, width: i
     alpha = _uniform(gen, (layers, 1, 1), 0.0, math.pi)
     period = _uniform(gen, (layers, 1, 1), 10.0, 40.0)
     phase = _uniform(gen, (layers, 1, 1), 0.0, 2 * math.pi)
-    cos, sin = torch.cos(alpha) * (2 * math.pi / period), torch.sin(alpha) * (2 * math.pi / period)
+    frequency = 2 * math.pi / period  # radians a pixel
+    cos, sin = torch.cos(alpha) * frequency, torch.sin(alpha) * frequency
     along = xs * cos + (ys * sin + phase)  # [L, H, W] phases across and along the stripes
     across = xs * -sin + (ys * cos + phase)
     sharpness = period / (2 * math.pi * _EDGE_WIDTH)
