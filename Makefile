@@ -14,8 +14,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) run.py experiment=quickstart
 
+# The suite on TEST_WORKERS processes (pytest-xdist) of TEST_THREADS torch threads each: most tests spend their
+# time starting a subprocess or stepping a tiny network, which a second thread barely speeds up, so on 2 cores
+# two single-threaded workers finish sooner than one process on both (tests that need two threads set them).
+# The tests marked large_memory (~8 GB in one process, which its allocator keeps after the test) run after the
+# others, one at a time, in a fresh process on every thread; both runs report before the recipe fails.
+TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not large_memory"; status=$$?; \
+	$(PY) -m pytest -q -m large_memory && exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check flowformer tests run.py

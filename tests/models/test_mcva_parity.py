@@ -4,7 +4,8 @@ The recorded mask noise and the 30 recorded query-location draws are injected th
 (`pretrain_step(mask_noise=..., query_uniform=...)`). The step runs twice: with the dense cost volume and with
 `memory_budget_gb` small enough to bound it (cost maps computed in blocks from the features, the 9x9 query and
 15x15 target windows sampled from each block's maps), which must leave the loss, the targets and the gradients
-unchanged. Each step needs ~11 GB and ~40 s on CPU: run it under `flock /tmp/heavy.lock` (it is marked slow).
+unchanged. Each step needs ~8 GB and ~40 s on CPU: marked large_memory, `make test` runs these tests alone, one
+at a time, after the rest of the suite.
 """
 
 import json
@@ -18,6 +19,8 @@ from flowformer.models import load_official
 from helpers.configs import FIXTURES_DIR, mcva_settings, refuse_dense_volume
 
 FIXTURE_C = FIXTURES_DIR / "flowformer_pp_c"
+
+pytestmark = pytest.mark.large_memory
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
