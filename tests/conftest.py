@@ -7,6 +7,18 @@ from flowformer.models import FlowFormer
 
 from helpers.configs import backbone_config, build_backbone
 
+# torch's thread count in this process before any test ran (make test: OMP_NUM_THREADS=1, as in the subprocesses)
+PROCESS_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """After every test, the process's own torch thread count, whatever the test or its module's fixtures set
+    (the parity tests set their fixtures' 2): a later run in this process then rounds as the subprocesses it is
+    compared with do."""
+    yield
+    torch.set_num_threads(PROCESS_THREADS)
+
 
 @pytest.fixture
 def tiny_config() -> dict:
