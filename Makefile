@@ -14,11 +14,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) run.py experiment=quickstart
 
-# The suite on TEST_WORKERS processes (pytest-xdist) of TEST_THREADS torch threads each: most tests spend their
-# time starting a subprocess or stepping a tiny network, which a second thread barely speeds up, so on 2 cores
-# two single-threaded workers finish sooner than one process on both (tests that need two threads set them).
-# The tests marked large_memory (~8 GB in one process, which its allocator keeps after the test) run after the
-# others, one at a time, in a fresh process on every thread; both runs report before the recipe fails.
+# The suite on TEST_WORKERS processes (pytest-xdist) of TEST_THREADS torch threads each: run in one process on
+# both threads it keeps one core busy on average (its CPU time equals its wall time), so on 2 cores two
+# single-threaded workers finish it in 0.6x the time (docs/performance.md; tests that need 2 threads set them).
+# The tests marked large_memory (a process peak of ~9 GB, which its allocator keeps after the test) run after
+# the others, one at a time, in a fresh process on every thread; both runs report before the recipe fails.
 TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 

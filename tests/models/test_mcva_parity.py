@@ -4,8 +4,8 @@ The recorded mask noise and the 30 recorded query-location draws are injected th
 (`pretrain_step(mask_noise=..., query_uniform=...)`). The step runs twice: with the dense cost volume and with
 `memory_budget_gb` small enough to bound it (cost maps computed in blocks from the features, the 9x9 query and
 15x15 target windows sampled from each block's maps), which must leave the loss, the targets and the gradients
-unchanged. Each step needs ~8 GB and ~40 s on CPU: marked large_memory, `make test` runs these tests alone, one
-at a time, after the rest of the suite.
+unchanged. Each step takes ~40 s on CPU and the process to ~9 GB: marked large_memory, `make test` runs these
+tests alone, one at a time, after the rest of the suite.
 """
 
 import json
