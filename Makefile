@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 # The suite on TEST_WORKERS processes (pytest-xdist) of TEST_THREADS torch threads each: run in one process on
 # both threads it keeps one core busy on average (its CPU time equals its wall time), so on 2 cores two
-# single-threaded workers finish it in 0.6x the time (docs/performance.md; tests that need 2 threads set them).
+# single-threaded workers finish it in 0.53x to 0.6x the time (docs/performance.md; tests that need 2 threads set them).
 # The tests marked large_memory (a process peak of ~9 GB, which its allocator keeps after the test) run after
 # the others, one at a time, in a fresh process on every thread; both runs report before the recipe fails.
 TEST_WORKERS ?= 2
