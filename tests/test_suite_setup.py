@@ -13,7 +13,7 @@ import torch
 def test_a_test_starts_on_the_thread_count_of_the_subprocesses_it_starts():
     started = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-        env=os.environ, capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True,
     )
     assert torch.get_num_threads() == int(started.stdout)
     if "OMP_NUM_THREADS" in os.environ:  # make test's workers

@@ -203,11 +203,9 @@ def assert_trained_as_composed(record: dict) -> None:
 @pytest.fixture
 def one_torch_thread():
     """torch on one thread while the table runs: its tiny networks take longer on two threads of two shared
-    cores, whose waits for each other dominate (the subprocess: OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
+    cores, whose waits for each other dominate (the subprocess: OMP_NUM_THREADS=1); tests/conftest.py puts the
+    process's count back after the test."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("sweep", TABLE_SWEEPS)

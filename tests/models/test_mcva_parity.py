@@ -36,28 +36,26 @@ def official_step(request):
         pytest.skip(f"fixture C not found at {FIXTURE_C}")
     expected = torch.load(FIXTURE_C / "expected.pt", weights_only=False)
     meta = json.loads((FIXTURE_C / "meta.json").read_text())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the fixture's thread count (fixtures README: bitwise on this setup)
-    try:
-        net = load_official(
-            FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp", memory_budget_gb=request.param
-        )
-        image1 = expected["image1"].float()
-        assert net.memory_plan(image1.shape[0], 46, 62).dense == (request.param is None)
-        if request.param is not None:
-            net.cost_volume = refuse_dense_volume
-        module = MCVAPretrainModule(backbone=net, **mcva_settings()).train()
-        output = module.pretrain_step(
-            image1,
-            expected["image2"].float(),
-            mask_noise=expected["mask_noise"],
-            query_uniform=expected["query_uniform"],
-            keep_rounds=30,
-        )
-        output.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(module.backbone.parameters(), 1.0)
-    finally:
-        torch.set_num_threads(threads)
+    # the fixture's thread count (fixtures README: bitwise on this setup); tests/conftest.py puts the process's
+    # own count back after the test
+    torch.set_num_threads(2)
+    net = load_official(
+        FIXTURE_C / "weights_fp16.pth", variant="flowformer_pp", memory_budget_gb=request.param
+    )
+    image1 = expected["image1"].float()
+    assert net.memory_plan(image1.shape[0], 46, 62).dense == (request.param is None)
+    if request.param is not None:
+        net.cost_volume = refuse_dense_volume
+    module = MCVAPretrainModule(backbone=net, **mcva_settings()).train()
+    output = module.pretrain_step(
+        image1,
+        expected["image2"].float(),
+        mask_noise=expected["mask_noise"],
+        query_uniform=expected["query_uniform"],
+        keep_rounds=30,
+    )
+    output.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(module.backbone.parameters(), 1.0)
     return module, output, grad_norm, expected, meta
 
 
