@@ -4,6 +4,15 @@ Examples: `python run.py experiment=quickstart`, `python run.py -m sweep=mask_ra
 Returns the monitored metric, so Hydra sweepers (grid, Optuna) can optimise it.
 """
 
+import os
+
+# torch reads this once, at its first CPU allocation, so it is set before torch is imported: CPU tensors of 2 MiB
+# and more get huge pages advised (madvise), 512x fewer page faults where the kernel allows them
+# (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise). THP_MEM_ALLOC_ENABLE=0 in the environment
+# keeps 4 KiB pages. With the host allocator of flowformer/tasks/runtime.py, configure_host_allocator: a
+# 440x1024 forward in 0.7x the time (docs/performance.md, "The host allocator").
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 import hydra
 from omegaconf import DictConfig
 

@@ -21,6 +21,7 @@ of each network (torch.profiler).
 """
 
 import argparse
+import ctypes
 import os
 import resource
 import statistics
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPOSITORY))
 
 from flowformer.models import build_flowformer
 from flowformer.models.checkpoint import from_official
+from flowformer.tasks.runtime import GLIBC_DEFAULT_MMAP_MAX, M_MMAP_MAX, configure_host_allocator
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +54,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--profile", type=int, default=0, help="instead of timing, the N operators of most self CPU time"
+    )
+    parser.add_argument(
+        "--reuse-host-memory",
+        action="store_true",
+        help="ours with run.py's host allocator (runtime.cpu_mmap_threshold_mb null: freed memory reused), the "
+        "official forwards with glibc's memory maps; THP_MEM_ALLOC_ENABLE=1 in the environment gives both huge pages",
     )
     return parser.parse_args()
 
@@ -185,11 +193,21 @@ def main() -> None:
         f"{args.height}x{args.width}, {args.iters} iterations, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, load average {load}"
     )
+    libc = ctypes.CDLL(None)
+
+    def run_official():
+        if args.reuse_host_memory:
+            libc.mallopt(M_MMAP_MAX, GLIBC_DEFAULT_MMAP_MAX)  # tensors above glibc's threshold mapped again
+        return official(image1, image2)
+
+    def run_ours():
+        if args.reuse_host_memory:
+            configure_host_allocator(None)
+        return ours(image1, image2, iters=args.iters)
+
+    print(f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, reuse host memory: {args.reuse_host_memory}")
     with torch.no_grad():
-        runs = {
-            "official": lambda: official(image1, image2),
-            "ours": lambda: ours(image1, image2, iters=args.iters),
-        }
+        runs = {"official": run_official, "ours": run_ours}
         print(agreement(runs["official"], runs["ours"]), flush=True)
         if args.profile:
             profile(runs, args.profile)

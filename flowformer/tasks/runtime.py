@@ -81,33 +81,48 @@ class InferenceContext:
 
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit systems
-# (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); above it glibc refuses the setting.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# glibc's mallopt parameters (malloc.h), its default cap on memory maps, and the largest mmap threshold it accepts
+# on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); above it glibc refuses the setting.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+GLIBC_DEFAULT_MMAP_MAX = 65536
 GLIBC_MAX_MMAP_THRESHOLD_MB = 32
 TRIM_PER_MMAP_THRESHOLD = 4  # free memory kept at the heap's top, in mmap thresholds: no brk churn per step
+NO_TRIM = -1  # M_TRIM_THRESHOLD: never give the heap's free top back (mallopt(3))
 
 
 def configure_host_allocator(threshold_mb: float | None) -> None:
-    """`runtime.cpu_mmap_threshold_mb`: CPU tensors of at least this size get a memory map of their own, given
-    back to the OS when freed. glibc's default raises its threshold to the largest block freed so far (up to
-    32 MiB) and keeps freed blocks in its heap, where fragmentation holds them (docs/performance.md, "Memory
-    budgets and the mmap threshold"). The heap keeps at most TRIM_PER_MMAP_THRESHOLD thresholds free at its top.
-    None: glibc's default. Linux with glibc only."""
-    if threshold_mb is None:
-        return
+    """`runtime.cpu_mmap_threshold_mb`, how glibc's allocator serves CPU tensors (Linux with glibc only).
+
+    None (the default): no tensor gets a memory map of its own, and freed memory stays in the process's heap for
+    the next tensors. glibc would otherwise map every block above its threshold (at most 32 MiB; a 440x1024
+    forward's largest tensors are 115 MiB) and unmap it when freed, so each such tensor is faulted in afresh, a
+    page fault per 4 KiB: 37 ms for 115 MiB here. The process keeps its peak heap (docs/performance.md, "The host
+    allocator"). run.py also has torch advise huge pages for tensors of 2 MiB and more (THP_MEM_ALLOC_ENABLE).
+
+    A number: tensors of at least this many MiB get a memory map, given back to the OS when freed (the least
+    memory, for more time: "Memory budgets and the mmap threshold"); the heap keeps at most
+    TRIM_PER_MMAP_THRESHOLD thresholds free at its top."""
     setting = "runtime.cpu_mmap_threshold_mb"
-    if not 0 < threshold_mb <= GLIBC_MAX_MMAP_THRESHOLD_MB:
+    if threshold_mb is not None and not 0 < threshold_mb <= GLIBC_MAX_MMAP_THRESHOLD_MB:
         raise ValueError(
             f"{setting}={threshold_mb}: expected a size in MiB in (0, {GLIBC_MAX_MMAP_THRESHOLD_MB}] (glibc's "
-            "largest), or null for glibc's default"
+            "largest), or null: no memory maps, freed memory reused"
         )
     if platform.libc_ver()[0] != "glibc":
+        if threshold_mb is None:
+            return  # another C library: its allocator keeps its own policy
         raise ValueError(f"{setting}={threshold_mb} needs glibc's allocator (Linux); set it to null here")
-    size = int(threshold_mb * 2**20)
     libc = ctypes.CDLL(None)
-    trim = TRIM_PER_MMAP_THRESHOLD * size
-    if not (libc.mallopt(M_MMAP_THRESHOLD, size) and libc.mallopt(M_TRIM_THRESHOLD, trim)):
+    if threshold_mb is None:
+        applied = libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, NO_TRIM)
+    else:
+        size = int(threshold_mb * 2**20)
+        applied = (
+            libc.mallopt(M_MMAP_MAX, GLIBC_DEFAULT_MMAP_MAX)  # maps again, after a null in this process
+            and libc.mallopt(M_MMAP_THRESHOLD, size)
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_PER_MMAP_THRESHOLD * size)
+        )
+    if not applied:
         raise RuntimeError(f"{setting}={threshold_mb}: glibc's mallopt refused the setting")
 
 

@@ -4,9 +4,11 @@ plain checkpoint keys and the compile time in bench's rows). Compiling uses a ch
 minutes on 2 CPU cores); inductor on a GPU is in tests/test_gpu.py."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,9 +101,77 @@ def retained_mib(runtime) -> float:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
 def test_cpu_mmap_threshold_gives_freed_tensors_back_to_the_os():
-    assert config().runtime.cpu_mmap_threshold_mb is None  # glibc's default unless asked
-    assert retained_mib(config().runtime) > 15  # glibc's heap keeps a freed block at least
+    assert retained_mib(config().runtime) > 15  # by default the heap keeps a freed block
     assert retained_mib(config("runtime.cpu_mmap_threshold_mb=16").runtime) < 5
+
+
+FAULTS_PER_LARGE_TENSOR = """
+import json, resource, sys, torch
+from omegaconf import OmegaConf
+from flowformer.tasks.runtime import configure_runtime
+configure_runtime(OmegaConf.create(json.loads(sys.argv[1])))
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):  # 64 MiB, above glibc's largest mmap threshold, touched and freed: by default the heap
+    torch.ones(64 * 2**18)  # grows to hold it and the small blocks that come between (2 to 5 such tensors)
+start = faults()
+for _ in range(3):
+    torch.ones(64 * 2**18)
+print((faults() - start) / 3)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
+def test_by_default_a_freed_large_tensor_is_reused_without_page_faults():
+    """glibc maps every block above 32 MiB and unmaps it when freed, so each new one is faulted in afresh (a
+    fault per 4 KiB page: 16384 for 64 MiB); by default (`cpu_mmap_threshold_mb: null`) the heap serves it again."""
+
+    def faults_per_tensor(runtime) -> float:
+        settings = json.dumps(OmegaConf.to_container(runtime, resolve=True))
+        command = [sys.executable, "-c", FAULTS_PER_LARGE_TENSOR, settings]
+        result = subprocess.run(command, capture_output=True, text=True, check=True, env=without_huge_pages())
+        return float(result.stdout.strip().splitlines()[-1])
+
+    assert config().runtime.cpu_mmap_threshold_mb is None
+    assert faults_per_tensor(config().runtime) < 100
+    assert faults_per_tensor(config("runtime.cpu_mmap_threshold_mb=16").runtime) > 10000
+
+
+def without_huge_pages() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name != "THP_MEM_ALLOC_ENABLE"}
+
+
+HUGE_PAGES_AFTER_RUN_PY = """
+import re, runpy, sys
+sys.argv = ["run.py", "--cfg", "job"]  # Hydra prints the configuration and returns
+runpy.run_path("run.py", run_name="__main__")
+import torch
+tensor = torch.ones(8 * 2**18)  # 8 MiB
+pointer = tensor.data_ptr()
+inside = False
+for line in open("/proc/self/smaps"):
+    bounds = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+    if bounds:
+        inside = int(bounds[1], 16) <= pointer < int(bounds[2], 16)
+    elif inside and line.startswith("VmFlags:"):
+        print(line)
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir(), reason="no transparent huge pages")
+def test_run_py_has_torch_advise_huge_pages_for_large_cpu_tensors(tmp_path):
+    """run.py sets THP_MEM_ALLOC_ENABLE before torch is imported (torch reads it once): a tensor of 8 MiB then
+    lies in a mapping advised for huge pages (VmFlags `hg`), unless the environment says otherwise."""
+
+    def flags(**env: str) -> list[str]:
+        command = [sys.executable, "-c", HUGE_PAGES_AFTER_RUN_PY]
+        environment = {**without_huge_pages(), **env}
+        checkout = fresh_checkout(tmp_path / f"checkout{len(env)}")
+        result = subprocess.run(command, cwd=checkout, env=environment, capture_output=True, text=True, check=True)
+        return result.stdout.strip().splitlines()[-1].split()[1:]  # the tensor's mapping's VmFlags
+
+    assert "hg" in flags()
+    assert "hg" not in flags(THP_MEM_ALLOC_ENABLE="0")
 
 
 def test_a_bad_cpu_mmap_threshold_is_one_error_naming_the_key():
