@@ -10,7 +10,7 @@ import os
 # and more get huge pages advised (madvise), 512x fewer page faults where the kernel allows them
 # (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise). THP_MEM_ALLOC_ENABLE=0 in the environment
 # keeps 4 KiB pages. With the host allocator of flowformer/tasks/runtime.py, configure_host_allocator: a
-# 440x1024 forward in 0.7x the time (docs/performance.md, "The host allocator").
+# 440x1024 forward in 0.7x to 0.9x the time (docs/performance.md, "The host allocator").
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import hydra

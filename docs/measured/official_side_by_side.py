@@ -17,7 +17,9 @@ Prints the flows' difference (px), then per network the median wall and user-CPU
 (after the flow comparison's, which warm both up, and --warmup more rounds), the ratios official / ours of the
 medians and the median of the per-round ratios (the rounds interleave, so a round's two forwards share the
 machine's load). With --profile N, instead of the timing: the N operators of most self CPU time in one forward
-of each network (torch.profiler).
+of each network (torch.profiler). With --reuse-host-memory, ours runs on run.py's host allocator (freed memory
+reused, flowformer/tasks/runtime.py) and the official forwards on glibc's memory maps; run.py's huge pages come
+from THP_MEM_ALLOC_ENABLE=1 in the environment, for both networks (torch reads it when it is imported).
 """
 
 import argparse
