@@ -89,14 +89,24 @@ print(resident_mib() - start)
 """
 
 
-def retained_mib(runtime) -> float:
-    """Resident MiB a fresh process keeps after allocating and freeing a 20 MiB tensor three times under
-    `runtime` (a fresh process: the allocator's settings last as long as the process)."""
+def measured_under(runtime, script: str) -> float:
+    """The number `script` prints last, run in a fresh process under `runtime` (the allocator's settings last as
+    long as the process), without run.py's huge pages."""
     settings = json.dumps(OmegaConf.to_container(runtime, resolve=True))
     result = subprocess.run(
-        [sys.executable, "-c", RETAINED_AFTER_FREES, settings], capture_output=True, text=True, check=True
+        [sys.executable, "-c", script, settings], capture_output=True, text=True, check=True, env=without_huge_pages()
     )
     return float(result.stdout.strip().splitlines()[-1])
+
+
+def without_huge_pages() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name != "THP_MEM_ALLOC_ENABLE"}
+
+
+def retained_mib(runtime) -> float:
+    """Resident MiB a fresh process keeps after allocating and freeing a 20 MiB tensor three times under
+    `runtime`."""
+    return measured_under(runtime, RETAINED_AFTER_FREES)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
@@ -125,20 +135,9 @@ print((faults() - start) / 3)
 def test_by_default_a_freed_large_tensor_is_reused_without_page_faults():
     """glibc maps every block above 32 MiB and unmaps it when freed, so each new one is faulted in afresh (a
     fault per 4 KiB page: 16384 for 64 MiB); by default (`cpu_mmap_threshold_mb: null`) the heap serves it again."""
-
-    def faults_per_tensor(runtime) -> float:
-        settings = json.dumps(OmegaConf.to_container(runtime, resolve=True))
-        command = [sys.executable, "-c", FAULTS_PER_LARGE_TENSOR, settings]
-        result = subprocess.run(command, capture_output=True, text=True, check=True, env=without_huge_pages())
-        return float(result.stdout.strip().splitlines()[-1])
-
     assert config().runtime.cpu_mmap_threshold_mb is None
-    assert faults_per_tensor(config().runtime) < 100
-    assert faults_per_tensor(config("runtime.cpu_mmap_threshold_mb=16").runtime) > 10000
-
-
-def without_huge_pages() -> dict[str, str]:
-    return {name: value for name, value in os.environ.items() if name != "THP_MEM_ALLOC_ENABLE"}
+    assert measured_under(config().runtime, FAULTS_PER_LARGE_TENSOR) < 100
+    assert measured_under(config("runtime.cpu_mmap_threshold_mb=16").runtime, FAULTS_PER_LARGE_TENSOR) > 10000
 
 
 HUGE_PAGES_AFTER_RUN_PY = """
@@ -163,10 +162,11 @@ def test_run_py_has_torch_advise_huge_pages_for_large_cpu_tensors(tmp_path):
     """run.py sets THP_MEM_ALLOC_ENABLE before torch is imported (torch reads it once): a tensor of 8 MiB then
     lies in a mapping advised for huge pages (VmFlags `hg`), unless the environment says otherwise."""
 
+    checkout = fresh_checkout(tmp_path)
+
     def flags(**env: str) -> list[str]:
         command = [sys.executable, "-c", HUGE_PAGES_AFTER_RUN_PY]
         environment = {**without_huge_pages(), **env}
-        checkout = fresh_checkout(tmp_path / f"checkout{len(env)}")
         result = subprocess.run(command, cwd=checkout, env=environment, capture_output=True, text=True, check=True)
         return result.stdout.strip().splitlines()[-1].split()[1:]  # the tensor's mapping's VmFlags
 
