@@ -63,7 +63,12 @@ class CostVolume:
         raise NotImplementedError
 
     def window_offsets(self, radius: int, device: torch.device) -> Tensor:
-        """`window_offsets(radius)`, made once per volume: the decoder reads a window at every iteration."""
+        """`window_offsets(radius)`, made once per volume: the decoder reads a window at every iteration. Under
+        torch.compile each call makes them in its graph (inductor folds them to constants): a tensor kept on the
+        volume would be one more output of a compiled iteration, which CUDA graphs overwrite at their next replay
+        while the volume still holds it (`runtime.compile_mode=reduce-overhead` failed so on an H200)."""
+        if torch.compiler.is_compiling():
+            return window_offsets(radius, device)
         made = self.__dict__.setdefault("_window_offsets", {})
         if radius not in made:
             made[radius] = window_offsets(radius, device)

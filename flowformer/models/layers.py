@@ -94,9 +94,9 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int, offsets: 
     return window.view(batch, h1, w1, -1).permute(0, 3, 1, 2)
 
 
-# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48) run as the
-# unfused product on every device: on a GPU torch's fused kernels refuse their batch (the grids of cuDNN's, flash
-# and memory-efficient attention take at most 65535 rows; an MCVA step at batch 24 has 24*46*62 = 68448 source
+# attentions with at most this many logits per head (Lq x Lk: the decoder's 1x8, the AGT's 8x8 and 8x48) run
+# unfused on every device: on a GPU torch's fused kernels refuse their batch (the grids of cuDNN's, flash and
+# memory-efficient attention take at most 65535 rows; an MCVA step at batch 24 has 24*46*62 = 68448 source
 # pixels), and on the CPU the fused kernel's backward is slower for them (the quickstart's decoder attention 4.9
 # -> 1.3 ms a training step). Longer ones (the LSA's 49x49 windows, the GSA's) run fused: their logits would cost
 # memory (the LSA's held for backward added 2.3 GiB to the bf16 training step on an H200) and time.
@@ -104,18 +104,27 @@ def sample_cost_window(cost_maps: Tensor, coords: Tensor, radius: int, offsets: 
 UNFUSED_MAX_LOGITS = 8 * 64
 # rows of one fused-kernel call on a GPU: CUDA's grid y and z dimensions, which those kernels put the batch in
 GPU_FUSED_MAX_ROWS = 65535
-# the fused kernels a GPU may use; cuDNN's is left out (it failed the MCVA step, and its backward was the largest
-# term of the bf16 training step on an H200: docs/performance.md, "Attention kernels")
+# the fused kernels a GPU may use, in the order tried; cuDNN's is left out (it failed the MCVA step, and its
+# backward was the largest term of the bf16 training step on an H200: docs/performance.md, "Attention kernels")
 GPU_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# fused attentions of at most this many logits per head (the cost encoder's 7x7 LSA windows: 49x49) try
+# memory-efficient attention first on a GPU: on an H200 (bf16, [4032, 8, 49, 16], forward + backward) it took
+# 1.68 ms a call, flash attention 2.89; flash stays first for the long ones (the cost encoder's GSA
+# [64, 8, 3072, 16] / 192 keys: flash 1.57 ms, memory-efficient 2.72)
+GPU_SHORT_FUSED_MAX_LOGITS = 64 * 64
+GPU_SHORT_FUSED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """softmax(q kᵀ · scale) v over the last two dims, q [..., Lq, d], k [..., Lk, d], v [..., Lk, dv]
-    -> [..., Lq, dv]. Short attentions (UNFUSED_MAX_LOGITS) as the product written out, as the official layers
-    compute it; longer ones by torch's fused attention, which never holds the [Lq, Lk] logits whole (at 1080p the
-    cost encoder's would take 16 GB) and is faster (on a GPU: `gpu_fused_attention`). The fused kernel differs
-    from the written-out product by float32 rounding only (on fixture A it moved the flow at 32 iterations from
-    1.9e-4 to 1.7e-4 px of the official flow)."""
+    -> [..., Lq, dv]. One query (the decoder's) by products and sums (`single_query_attention`); other short
+    attentions (UNFUSED_MAX_LOGITS) as the product written out, as the official layers compute it; longer ones by
+    torch's fused attention, which never holds the [Lq, Lk] logits whole (at 1080p the cost encoder's would take
+    16 GB) and is faster (on a GPU: `gpu_fused_attention`). The fused kernel differs from the written-out product
+    by float32 rounding only (on fixture A it moved the flow at 32 iterations from 1.9e-4 to 1.7e-4 px of the
+    official flow)."""
+    if q.shape[-2] == 1:
+        return single_query_attention(q, k, v, scale=scale)
     if q.shape[-2] * k.shape[-2] <= UNFUSED_MAX_LOGITS:
         return torch.matmul(torch.matmul(q, k.transpose(-2, -1)).mul_(scale).softmax(dim=-1), v)
     if q.device.type == "cuda":
@@ -123,12 +132,24 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tenso
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
+def single_query_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+    """softmax(q kᵀ · scale) v for one query, q [..., 1, d], k [..., Lk, d], v [..., Lk, dv] -> [..., 1, dv], by
+    elementwise products and sums: batched matrix products of 1 x d by d x Lk ran as cuBLAS tiles of 64x8, about
+    200 us a call on an H200, where this takes a few (the decoder's [22816, 8, 1, 8] x 8 keys, bf16, forward +
+    backward: 3.86 ms written out, 0.65 ms so; docs/performance.md, "Attention kernels"). The weights take v's
+    dtype, as the written-out product's second matmul gives them under autocast."""
+    weights = (q * k).sum(dim=-1).mul_(scale).softmax(dim=-1)  # [..., Lk]
+    return (weights.unsqueeze(-1).to(v.dtype) * v).sum(dim=-2, keepdim=True)
+
+
 def gpu_fused_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float, max_rows: int = GPU_FUSED_MAX_ROWS
 ) -> Tensor:
-    """Fused attention as a GPU runs it (any device runs it so; tests run it on the CPU): by GPU_FUSED_BACKENDS,
+    """Fused attention as a GPU runs it (any device runs it so; tests run it on the CPU): by GPU_FUSED_BACKENDS
+    (GPU_SHORT_FUSED_BACKENDS for at most GPU_SHORT_FUSED_MAX_LOGITS logits per head), in that order,
     `max_rows` rows of the batch (dim 0) a call."""
-    with sdpa_kernel(GPU_FUSED_BACKENDS):
+    short = q.shape[-2] * k.shape[-2] <= GPU_SHORT_FUSED_MAX_LOGITS
+    with sdpa_kernel(GPU_SHORT_FUSED_BACKENDS if short else GPU_FUSED_BACKENDS, set_priority=True):
         if q.shape[0] <= max_rows:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         parts = zip(*(x.split(max_rows) for x in (q, k, v)), strict=True)

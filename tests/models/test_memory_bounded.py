@@ -4,6 +4,7 @@ plan that picks them from the budget."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flowformer.models.decoder as decoder_module
 from flowformer.models import FlowFormer, cost_volume, sample_cost_window
@@ -101,16 +102,38 @@ def test_attention_equals_the_written_out_product(lq, lk):
     torch.testing.assert_close(*grads)
 
 
-def test_fused_attention_as_a_gpu_runs_it_equals_the_written_out_product():
+@pytest.mark.parametrize(("lq", "lk"), [(80, 70), (49, 49)])  # flash attention first; memory-efficient first
+def test_fused_attention_as_a_gpu_runs_it_equals_the_written_out_product(lq, lk):
     """gpu_fused_attention (what softmax_attention runs on a GPU for long attentions), on the CPU: without cuDNN's
     kernel and in blocks of rows (max_rows=2 of 5: three calls), values and gradients."""
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(5, 2, n, 8, generator=g, requires_grad=True) for n in (80, 70, 70))
+    q, k, v = (torch.randn(5, 2, n, 8, generator=g, requires_grad=True) for n in (lq, lk, lk))
     got = gpu_fused_attention(q, k, v, scale=0.3, max_rows=2)
     written_out = ((q @ k.transpose(-2, -1)) * 0.3).softmax(dim=-1) @ v
     torch.testing.assert_close(got, written_out)
     grads = (torch.autograd.grad(out.sum(), (q, k, v)) for out in (got, written_out))
     torch.testing.assert_close(*grads)
+
+
+@pytest.mark.parametrize(("lq", "lk", "first"), [(80, 70, "FLASH_ATTENTION"), (49, 49, "EFFICIENT_ATTENTION")])
+def test_gpu_fused_attention_tries_memory_efficient_first_for_short_windows(monkeypatch, lq, lk, first):
+    """The kernels allowed while gpu_fused_attention's call runs, in torch's order of priority: flash attention
+    first for long attentions, memory-efficient attention first for the LSA's 49x49 windows (faster on an H200),
+    cuDNN's never; torch's own order back after the call."""
+    seen = []
+    fused = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.nn.attention._cur_sdpa_kernel_backends(with_priority=True))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    before = torch.nn.attention._cur_sdpa_kernel_backends(with_priority=True)
+    q, k, v = (torch.randn(2, 2, n, 8) for n in (lq, lk, lk))
+    gpu_fused_attention(q, k, v, scale=0.3)
+    (allowed,) = seen
+    assert allowed[0].name == first and "CUDNN_ATTENTION" not in {backend.name for backend in allowed}
+    assert torch.nn.attention._cur_sdpa_kernel_backends(with_priority=True) == before
 
 
 @pytest.mark.parametrize("rows_per_block", [1, 2, 4, 5])

@@ -1,5 +1,7 @@
 """The tiny network's output contract, stages, batch independence, warm start, bf16 and input validation."""
 
+import copy
+
 import pytest
 import torch
 from torch.nn.functional import grid_sample
@@ -105,15 +107,13 @@ def test_size_not_multiple_of_8_names_the_padding(tiny: FlowFormer, size: tuple[
         tiny(image, image, iters=1)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-        ),
-    ],
-)
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
     net = build().eval().to(device)
     image1, image2 = (image.to(device) for image in images())
@@ -365,12 +365,20 @@ def test_decoder_dim_scales_the_recurrent_decoder_and_keeps_its_keys() -> None:
         assert net(*images(), iters=2)["flow"].shape == (1, 2, H, W)
 
 
-def test_update_block_convolves_channels_last_tensors_on_the_cpu(tiny: FlowFormer) -> None:
+@pytest.mark.parametrize(
+    ("device", "training", "channels_last"),
+    [("cpu", False, True), ("cpu", True, True), *(pytest.param("cuda", *case, marks=CPU_AND_CUDA[1].marks)
+                                                   for case in ((True, True), (False, False)))],
+)
+def test_update_block_convolves_channels_last_tensors(
+    tiny: FlowFormer, device: str, training: bool, channels_last: bool
+) -> None:
     """Every convolution of the update block (its modules' and the GRU's with its weights' slices) reads a
-    channels-last tensor on the CPU, where oneDNN then skips reordering it to its blocked layout and back
-    (docs/performance.md, "Side by side with the official code")."""
-
-    block = tiny.memory_decoder.update_block
+    channels-last tensor on the CPU, where oneDNN then skips reordering it to its blocked layout and back, and on
+    a GPU in training, where cuDNN then skips its NCHW <-> NHWC reorders; on a GPU in inference, none does
+    (docs/performance.md, "Side by side with the official code" and "One H200")."""
+    net = copy.deepcopy(tiny).to(device)
+    block = net.memory_decoder.update_block
     mode = CountOperators()
 
     def enter(*_) -> None:  # a pre-hook's return value would replace the block's arguments
@@ -379,11 +387,11 @@ def test_update_block_convolves_channels_last_tensors_on_the_cpu(tiny: FlowForme
     hooks = [block.register_forward_pre_hook(enter),
              block.register_forward_hook(lambda *_: mode.__exit__(None, None, None))]
     try:
-        with torch.no_grad():
-            tiny(*images(), iters=2)
+        with torch.set_grad_enabled(training):
+            net(*(image.to(device) for image in images()), iters=2)
     finally:
         for hook in hooks:
             hook.remove()
     convolutions_per_iteration = 5 + 6 + 2 + 1  # motion encoder, GRU, flow head, GMA's to_v (no mask: iteration 1)
     layouts = mode.convolutions_channels_last
-    assert len(layouts) >= 2 * convolutions_per_iteration and all(layouts)
+    assert len(layouts) >= 2 * convolutions_per_iteration and set(layouts) == {channels_last}

@@ -23,14 +23,16 @@ from helpers.compose import compose_tiny_config
 # adds and two splits (views) more, one sigmoid and two concatenations fewer; the weights sliced once a forward;
 # the convex upsampling's own backward (layers._ConvexCombination: 159 and 2543 before): no detach of the
 # softmax's output recorded for autograd in the training forward, and in its backward one copy of the incoming
-# gradient in place of three detaches and an expand
-FORWARD_OPERATORS_PER_DECODER_ITERATION = 101  # inference (bench.mode=forward); 128 before issue 35
-TRAINING_OPERATORS_PER_DECODER_ITERATION = 156  # the training forward; 188 before issue 35
+# gradient in place of three detaches and an expand; the decoder's one-query attention by products and sums
+# (layers.single_query_attention: 101, 156, 138 and 2535 before): three operators more in inference, ten fewer in
+# training and under autocast, where the two batched products' reshapes and casts go
+FORWARD_OPERATORS_PER_DECODER_ITERATION = 104  # inference (bench.mode=forward); 128 before issue 35
+TRAINING_OPERATORS_PER_DECODER_ITERATION = 146  # the training forward; 188 before issue 35
 # inference under bf16-mixed autocast: 158 when inference_mode made autocast cast every weight at every call,
 # 147 while every iteration cast GMA's attention map to bf16 and the flow update to fp32
-BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 138
+BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 128
 # forward, sequence loss, backward, clipping, AdamW (its foreach kernel on the CPU); 4657 before issue 35
-TRAINING_OPERATORS_PER_STEP = 2535
+TRAINING_OPERATORS_PER_STEP = 2505
 
 
 def counts(mode: str, precision: str = "32-true") -> dict:

@@ -203,8 +203,8 @@ def test_compiled_network_gives_the_uncompiled_flow():
     assert list(net.state_dict()) == list(reference.state_dict())
 
 
-def compiled_graph_sizes(iters: int, training: bool) -> list[int]:
-    """The node counts of the graphs torch.compile captures in the first step of the compiled tiny network with
+def compiled_graphs(iters: int, training: bool) -> list[torch.fx.GraphModule]:
+    """The graphs torch.compile captures in the first step of the compiled tiny network with
     `iters` decoder iterations (a forward, and its backward when `training`), from an empty compile cache;
     checks that nothing broke a graph."""
     torch._dynamo.reset()
@@ -220,14 +220,30 @@ def compiled_graph_sizes(iters: int, training: bool) -> list[int]:
             sum(flow.abs().mean() for flow in out["flow_predictions"]).backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["ok"] == len(COMPILED_GRAPHS)  # one graph per compiled frame, none failed
-    return [len(graph.graph.nodes) for graph in COMPILED_GRAPHS]
+    return list(COMPILED_GRAPHS)
+
+
+def graph_outputs(graph: torch.fx.GraphModule) -> int:
+    (output,) = (node for node in graph.graph.nodes if node.op == "output")
+    return len(output.args[0])
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_compiling_does_not_grow_with_the_decoder_iterations(training):
     """The repeated regions compile once: 12 iterations capture the same graphs as 4 (no unrolled loop, no
     recompiles across iterations)."""
-    assert compiled_graph_sizes(12, training) == compiled_graph_sizes(4, training)
+    sizes = [[len(graph.graph.nodes) for graph in compiled_graphs(iters, training)] for iters in (12, 4)]
+    assert sizes[0] == sizes[1]
+
+
+def test_a_compiled_decoder_iteration_returns_only_its_outputs():
+    """The graphs of the compiled decoder iteration (those of more than one output; the others return one tensor)
+    return the GRU state, coords1 and flow_low, and flow_up where the iteration upsamples (the last): nothing the
+    code keeps for a later call. CUDA graphs (runtime.compile_mode=reduce-overhead) overwrite a graph's outputs at
+    its next replay; the cost volume's window offsets, cached from inside the first iteration's graph as its
+    fourth output, were overwritten so on an H200."""
+    outputs = [graph_outputs(graph) for graph in compiled_graphs(3, training=False)]
+    assert [count for count in outputs if count > 1] == [3, 3, 4]
 
 
 CALLED_GRAPHS: list[torch.fx.GraphModule] = []
