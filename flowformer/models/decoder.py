@@ -436,6 +436,9 @@ class RecurrentRefinement(nn.Module):
                 )
             coords1 = coords1 + flow_init
         net, inp = self.split_context(context)
+        layout = self.update_block.layout(context.device)
+        if layout is not None:  # the state as every iteration returns it: a compiled iteration sees one stride
+            net = net.contiguous(memory_format=layout)
         attention = self.att(inp, query_chunk) if hasattr(self, "att") else None
         gru_passes = self.update_block.read_context(inp)
         upsample_rows = None
