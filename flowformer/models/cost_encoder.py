@@ -107,20 +107,19 @@ class PatchEmbed(nn.Module):
         # On the CPU the convolutions after the first and the token FFN run channels-last: oneDNN convolves that
         # layout without reordering to its blocked one and back, and the tokens come out of it contiguous for the
         # LayerNorm (docs/performance.md, "Cost-map tokenization in chunks"). A GPU keeps NCHW (not measured).
-        channels_last = x.device.type == "cpu"
         for idx, layer in enumerate(self.proj):
             if idx % 2 == 0 and masks[idx // 2] is not None:
                 x = x * (1 - masks[idx // 2])
             x = layer(x)
-            if idx == 0 and channels_last:
+            if idx == 0 and x.device.type == "cpu":
                 x = x.contiguous(memory_format=torch.channels_last)
         # x [N, dim, H3, W3]; patch centres in 1/8-res cost-map pixels
         if self.patch_pe_dim > 0:
             centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2
             pe = linear_position_encoding(centres.view(n, 2, -1).permute(0, 2, 1), self.patch_pe_dim)
-            pe = pe.view(n, h3, w3, -1).permute(0, 3, 1, 2)  # [N, patch_pe_dim, H3, W3], channels-last strides
-            if not channels_last:
-                pe = pe.contiguous()
+            # [N, patch_pe_dim, H3, W3] as a channels-last view: the concatenation takes x's layout where the two
+            # match, NCHW otherwise
+            pe = pe.view(n, h3, w3, -1).permute(0, 3, 1, 2)
             x = torch.cat([x, pe.to(x.dtype)], dim=1)  # -> [N, dim + patch_pe_dim, H3, W3]
         x = self.ffn_with_coord(x)
         return self.norm(x.flatten(2).transpose(1, 2)), (h3, w3)

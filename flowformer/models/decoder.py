@@ -298,13 +298,14 @@ class UpdateBlock(nn.Module):
             return torch.channels_last
         return None
 
-    def read_context(self, inp: Tensor) -> tuple[GRUPass, GRUPass]:
-        """The GRU's passes for one forward from the context input inp [B, hidden, H, W] (`SepConvGRU.read_context`),
-        once before the iterations."""
+    def read_context(self, net: Tensor, inp: Tensor) -> tuple[Tensor, tuple[GRUPass, GRUPass]]:
+        """Once before the iterations, from the GRU state net and the context input inp (each [B, hidden, H, W]):
+        the state in the block's layout, as every iteration returns it (a compiled iteration then sees one
+        stride, not a second graph for the first iteration), and the GRU's passes (`SepConvGRU.read_context`)."""
         layout = self.layout(inp.device)
         if layout is None:
-            return self.gru.read_context(inp)
-        return self.gru.read_context(inp.contiguous(memory_format=layout), layout)
+            return net, self.gru.read_context(inp)
+        return net.contiguous(memory_format=layout), self.gru.read_context(inp.contiguous(memory_format=layout), layout)
 
     def forward(
         self,
@@ -436,11 +437,8 @@ class RecurrentRefinement(nn.Module):
                 )
             coords1 = coords1 + flow_init
         net, inp = self.split_context(context)
-        layout = self.update_block.layout(context.device)
-        if layout is not None:  # the state as every iteration returns it: a compiled iteration sees one stride
-            net = net.contiguous(memory_format=layout)
         attention = self.att(inp, query_chunk) if hasattr(self, "att") else None
-        gru_passes = self.update_block.read_context(inp)
+        net, gru_passes = self.update_block.read_context(net, inp)
         upsample_rows = None
         if activation_budget is not None:
             row_bytes = batch * w1 * CONVEX_UPSAMPLE_VALUES_PER_PIXEL * FLOAT_BYTES

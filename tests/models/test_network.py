@@ -107,13 +107,10 @@ def test_size_not_multiple_of_8_names_the_padding(tiny: FlowFormer, size: tuple[
         tiny(image, image, iters=1)
 
 
-CPU_AND_CUDA = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
-]
+CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
 def test_bf16_autocast_stays_close_to_fp32(device: str) -> None:
     net = build().eval().to(device)
     image1, image2 = (image.to(device) for image in images())
@@ -367,8 +364,8 @@ def test_decoder_dim_scales_the_recurrent_decoder_and_keeps_its_keys() -> None:
 
 @pytest.mark.parametrize(
     ("device", "training", "channels_last"),
-    [("cpu", False, True), ("cpu", True, True), *(pytest.param("cuda", *case, marks=CPU_AND_CUDA[1].marks)
-                                                   for case in ((True, True), (False, False)))],
+    [("cpu", False, True), ("cpu", True, True), pytest.param("cuda", True, True, marks=CUDA_MARKS),
+     pytest.param("cuda", False, False, marks=CUDA_MARKS)],
 )
 def test_update_block_convolves_channels_last_tensors(
     tiny: FlowFormer, device: str, training: bool, channels_last: bool
