@@ -375,10 +375,11 @@ class RecurrentRefinement(nn.Module):
         raise NotImplementedError
 
     def compile_iteration(self, backend: str, mode: str, own_outputs: bool = False) -> None:
-        """torch.compile `iteration` (`runtime.compile`): `refine` then runs every iteration compiled.
+        """torch.compile `iteration` (`runtime.compile`) for static shapes: `refine` then runs every iteration
+        compiled.
         own_outputs (under CUDA graphs): each iteration's outputs are copied out of the graph's memory, which its
         next replay overwrites while the next iteration reads them and the training loss keeps them."""
-        compiled = torch.compile(self.iteration, backend=backend, mode=mode)
+        compiled = torch.compile(self.iteration, backend=backend, mode=mode, dynamic=False)
         if not own_outputs:
             self.compiled_iteration = compiled
             return

@@ -84,6 +84,10 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 # glibc's mallopt parameters (malloc.h), its default cap on memory maps, and the largest mmap threshold it accepts
 # on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); above it glibc refuses the setting.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+# Compiles dynamo keeps per compiled function (its default 8): a Twins block's forward meets 8 static shapes in
+# each mode (2 widths x local/global attention x 1 or 2 images), so training and validation in one process need
+# 16, and each further validation size 8 more; past the limit the function runs eagerly
+COMPILES_PER_FUNCTION = 64
 GLIBC_DEFAULT_MMAP_MAX = 65536
 GLIBC_MAX_MMAP_THRESHOLD_MB = 32
 TRIM_PER_MMAP_THRESHOLD = 4  # free memory kept at the heap's top, in mmap thresholds: no brk churn per step
@@ -172,14 +176,21 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     block, flow update and upsampling (`RecurrentRefinement.compile_iteration`): compile time does not grow with
     the decoder's iterations, and `state_dict()` keys stay the plain ones (no `_orig_mod.`), so checkpoints load
     into uncompiled networks. Each region compiles on its first call with a new input shape or mode (train /
-    eval). Under CUDA graphs (`region_compile_settings`) only the decoder's iteration is graphed."""
+    eval), a static graph for each shape (`dynamic=False`): the image encoders meet one compiled block at several
+    shapes in every forward (both images in the feature encoder, one in the context encoder; a Twins encoder's two
+    widths), and dynamo's automatic dynamic shapes recompiled them for symbolic sizes, slower to compile and to
+    run (docs/performance.md, "TF32 and torch.compile"). Under CUDA graphs (`region_compile_settings`) only the
+    decoder's iteration is graphed."""
     if not settings.compile:
         return
     backend, mode = settings.compile_backend, settings.compile_mode
     regions_settings, cuda_graphs = region_compile_settings(backend, mode)
+    dynamo = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # its older name
+    setattr(dynamo, limit, max(getattr(dynamo, limit), COMPILES_PER_FUNCTION))
     regions = compile_regions(net)
     for region in regions:
-        region.compile(backend=backend, **regions_settings)
+        region.compile(backend=backend, dynamic=False, **regions_settings)
     net.memory_decoder.compile_iteration(backend=backend, mode=mode, own_outputs=cuda_graphs)
     log.info(
         "torch.compile %s (mode %s): %d regions and the decoder's iteration%s", backend, mode, len(regions),

@@ -203,14 +203,14 @@ def test_compiled_network_gives_the_uncompiled_flow():
     assert list(net.state_dict()) == list(reference.state_dict())
 
 
-def compiled_graphs(iters: int, training: bool) -> list[torch.fx.GraphModule]:
-    """The graphs torch.compile captures in the first step of the compiled tiny network with
-    `iters` decoder iterations (a forward, and its backward when `training`), from an empty compile cache;
-    checks that nothing broke a graph."""
+def compiled_graphs(iters: int, training: bool, **backbone) -> list[torch.fx.GraphModule]:
+    """The graphs torch.compile captures in the first step of the compiled tiny network (with `backbone`'s
+    overrides) with `iters` decoder iterations (a forward, and its backward when `training`), from an empty
+    compile cache; checks that nothing broke a graph."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    net = build_backbone().train(training)
+    net = build_backbone(**backbone).train(training)
     compile_network(net, config("runtime.compile=true", "runtime.compile_backend=recording_eager").runtime)
     images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
     COMPILED_GRAPHS.clear()
@@ -226,6 +226,46 @@ def compiled_graphs(iters: int, training: bool) -> list[torch.fx.GraphModule]:
 def graph_outputs(graph: torch.fx.GraphModule) -> int:
     (output,) = (node for node in graph.graph.nodes if node.op == "output")
     return len(output.args[0])
+
+
+def symbolic_inputs(graph: torch.fx.GraphModule) -> list[str]:
+    """The graph's inputs that are sizes or tensors of symbolic sizes: those of a graph for dynamic shapes."""
+    symbolic = []
+    for node in graph.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            symbolic.append(node.name)
+    return symbolic
+
+
+@pytest.mark.parametrize("image_encoder", ["cnn", "twins"])
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_compiled_regions_are_static_at_each_shape(image_encoder, training):
+    """The feature encoder runs on both images (batch 2), the context encoder on one (batch 1), and a Twins
+    encoder's blocks at two widths: one compiled code at several shapes. Dynamo's automatic dynamic shapes
+    recompiled such a region for symbolic sizes at its second shape, whose guards and sympy reasoning took
+    11-16 s of tracing per Twins block (the official-size network's first forward at 128x192 traced in 55 s
+    instead of 7.5 s on the CPU, docs/performance.md); each shape compiles a static graph instead."""
+    graphs = compiled_graphs(2, training, image_encoder=image_encoder)
+    assert {name for graph in graphs for name in symbolic_inputs(graph)} == set()
+
+
+def test_training_then_validation_runs_every_region_compiled():
+    """A training step and then a validation forward, as Lightning runs them in one process, compile each region
+    in both modes: a Twins block's forward 16 times (8 shapes a mode), past dynamo's default limit of 8 compiles
+    per function, after which the official-size network's validation ran its Twins blocks eagerly."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = build_backbone(image_encoder="twins")
+    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=recording_eager").runtime)
+    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
+    COMPILED_GRAPHS.clear()
+    sum(flow.abs().mean() for flow in net(*images, iters=1)["flow_predictions"]).backward()
+    with torch.no_grad():
+        net.eval()(*images, iters=1)
+    assert counters["frames"]["total"] == counters["frames"]["ok"] == len(COMPILED_GRAPHS)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
