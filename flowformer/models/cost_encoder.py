@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
     Mlp,
+    convolution_layout,
     coords_grid,
     feed_forward,
     linear_position_encoding,
@@ -104,19 +105,18 @@ class PatchEmbed(nn.Module):
             # one bit per token -> nearest-upsampled to the input of each conv (48x64, 24x32, 12x16 for 46x62
             # maps), as FlowFormer++'s `random_masking` builds mask_for_patch1..3
             masks = [grid.repeat_interleave(s, dim=2).repeat_interleave(s, dim=3) for s in (8, 4, 2)]
-        # On the CPU the convolutions and the token FFN run channels-last: oneDNN convolves that layout without
-        # reordering to its blocked one and back, and the tokens come out of it contiguous for the LayerNorm
-        # (docs/performance.md, "Cost-map tokenization in chunks"). A GPU keeps NCHW (not measured).
-        channels_last = x.device.type == "cpu"
+        # The convolutions and the token FFN run in `convolution_layout`'s format; channels-last, the tokens come
+        # out contiguous for the LayerNorm (docs/performance.md, "Cost-map tokenization in chunks")
+        layout = convolution_layout(x.device)
         for idx, layer in enumerate(self.proj):
             if idx % 2 == 0 and masks[idx // 2] is not None:
                 x = x * (1 - masks[idx // 2])
-            if idx == 0 and channels_last and x.shape[1] == 1:
+            if idx == 0 and layout is not None and x.shape[1] == 1:
                 # one cost head: NCHW and channels-last are the same memory, so only the strides change (a view)
                 x = x.contiguous().view(n, x.shape[2], x.shape[3], 1).permute(0, 3, 1, 2)
             x = layer(x)
-            if idx == 0 and channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+            if idx == 0 and layout is not None:
+                x = x.contiguous(memory_format=layout)
         # x [N, dim, H3, W3]; patch centres in 1/8-res cost-map pixels
         if self.patch_pe_dim > 0:
             centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2

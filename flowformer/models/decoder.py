@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from flowformer.models.cost_volume import CostVolume, as_cost_volume
 from flowformer.models.layers import (
     CONVEX_UPSAMPLE_VALUES_PER_PIXEL,
+    convolution_layout,
     coords_grid,
     feed_forward,
     linear_position_encoding,
@@ -284,25 +285,11 @@ class UpdateBlock(nn.Module):
         if global_motion:
             self.aggregator = Aggregate(dim=hidden)
 
-    @staticmethod
-    def layout(device: torch.device) -> torch.memory_format | None:
-        """The memory format of the update block's tensors (the numbers the same to float rounding either way):
-        - the CPU: channels-last, which oneDNN convolves without reordering to its blocked layout and back (the
-          update block 1.15x faster on 2 CPU cores; docs/performance.md, "Side by side with the official code");
-        - a GPU while autograd records (training): channels-last, which cuDNN's bf16 and TF32 convolutions take
-          without reordering around each call (on an H200 the bf16 training step took 265 ms against 274);
-        - a GPU in inference: None, the tensors as they come. Batch-1 inference is bound by launches, and the
-          iteration's copies into channels-last cost more than the reorders they save (on an H200, 440x1024, 32
-          iterations: 73 ms against 70 in TF32, 90.5 against 86 in bf16; docs/performance.md, "One H200")."""
-        if device.type == "cpu" or (device.type == "cuda" and torch.is_grad_enabled()):
-            return torch.channels_last
-        return None
-
     def read_context(self, net: Tensor, inp: Tensor) -> tuple[Tensor, tuple[GRUPass, GRUPass]]:
         """Once before the iterations, from the GRU state net and the context input inp (each [B, hidden, H, W]):
         the state in the block's layout, as every iteration returns it (a compiled iteration then sees one
         stride, not a second graph for the first iteration), and the GRU's passes (`SepConvGRU.read_context`)."""
-        layout = self.layout(inp.device)
+        layout = convolution_layout(inp.device)
         if layout is None:
             return net, self.gru.read_context(inp)
         return net.contiguous(memory_format=layout), self.gru.read_context(inp.contiguous(memory_format=layout), layout)
@@ -317,7 +304,7 @@ class UpdateBlock(nn.Module):
         with_mask: bool = True,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """gru_passes: `read_context` of this forward's context input."""
-        layout = self.layout(net.device)
+        layout = convolution_layout(net.device)
         if layout is not None:
             net, corr, flow = (t.contiguous(memory_format=layout) for t in (net, corr, flow))
         motion = self.encoder(flow, corr)

@@ -24,6 +24,24 @@ def coords_grid(batch: int, height: int, width: int, device: torch.device | None
     return coords[None].repeat(batch, 1, 1, 1)
 
 
+def convolution_layout(device: torch.device) -> torch.memory_format | None:
+    """The memory format the network's convolution stacks (the update block, the cost patch embedding) give their
+    tensors; the numbers are the same to float rounding either way:
+    - the CPU: channels-last, which oneDNN convolves without reordering to its blocked layout and back (the
+      update block 1.15x faster on 2 CPU cores, docs/performance.md, "Side by side with the official code"; the
+      patch embedding's chunk 1.27x, "Cost-map tokenization in chunks");
+    - a GPU while autograd records (training): channels-last, which cuDNN's bf16 and TF32 convolutions take
+      without reordering around each call (on an H200 the bf16 training step took 265 ms against 274 with the
+      update block so; the patch embedding so is not measured on a GPU);
+    - a GPU in inference: None, the tensors as they come. Batch-1 inference is bound by launches, and the update
+      block's copies into channels-last at each iteration cost more than the reorders they save (on an H200,
+      440x1024, 32 iterations: 73 ms against 70 in TF32, 90.5 against 86 in bf16; docs/performance.md, "One
+      H200")."""
+    if device.type == "cpu" or (device.type == "cuda" and torch.is_grad_enabled()):
+        return torch.channels_last
+    return None
+
+
 def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
     """Sine code of (x, y) points: xy [..., 2] -> [..., dim] = [sin ωx, cos ωx, sin ωy, cos ωy].
 

@@ -147,7 +147,8 @@ class CountOperators(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls.append(func)
         if func is torch.ops.aten.convolution.default:
-            self.convolutions_channels_last.append(args[0].is_contiguous(memory_format=torch.channels_last))
+            x = args[0]  # channels innermost too: a one-channel NCHW tensor is contiguous as channels-last
+            self.convolutions_channels_last.append(x.is_contiguous(memory_format=torch.channels_last) and x.stride(1) == 1)
         return func(*args, **(kwargs or {}))
 
 
@@ -362,20 +363,28 @@ def test_decoder_dim_scales_the_recurrent_decoder_and_keeps_its_keys() -> None:
         assert net(*images(), iters=2)["flow"].shape == (1, 2, H, W)
 
 
+# each stack's convolutions in one forward of the tiny network with 2 iterations: the update block's per
+# iteration (motion encoder 5, GRU 6, flow head 2, GMA's to_v 1; no mask before the last), the patch embedding's
+# once (3 and the token FFN's 2)
+CONVOLUTION_STACKS = {"memory_decoder.update_block": 2 * (5 + 6 + 2 + 1), "cost_encoder.patch_embed": 3 + 2}
+
+
+@pytest.mark.parametrize("stack", list(CONVOLUTION_STACKS))
 @pytest.mark.parametrize(
     ("device", "training", "channels_last"),
     [("cpu", False, True), ("cpu", True, True), pytest.param("cuda", True, True, marks=CUDA_MARKS),
      pytest.param("cuda", False, False, marks=CUDA_MARKS)],
 )
-def test_update_block_convolves_channels_last_tensors(
-    tiny: FlowFormer, device: str, training: bool, channels_last: bool
+def test_convolution_stacks_convolve_channels_last_tensors(
+    tiny: FlowFormer, stack: str, device: str, training: bool, channels_last: bool
 ) -> None:
-    """Every convolution of the update block (its modules' and the GRU's with its weights' slices) reads a
-    channels-last tensor on the CPU, where oneDNN then skips reordering it to its blocked layout and back, and on
-    a GPU in training, where cuDNN then skips its NCHW <-> NHWC reorders; on a GPU in inference, none does
-    (docs/performance.md, "Side by side with the official code" and "One H200")."""
+    """Every convolution of the update block (its modules' and the GRU's with its weights' slices) and of the cost
+    patch embedding reads a channels-last tensor on the CPU, where oneDNN then skips reordering it to its blocked
+    layout and back, and on a GPU in training, where cuDNN then skips its NCHW <-> NHWC reorders; on a GPU in
+    inference, none does (`layers.convolution_layout`; docs/performance.md, "Side by side with the official code"
+    and "One H200")."""
     net = copy.deepcopy(tiny).to(device)
-    block = net.memory_decoder.update_block
+    block = net.get_submodule(stack)
     mode = CountOperators()
 
     def enter(*_) -> None:  # a pre-hook's return value would replace the block's arguments
@@ -389,6 +398,5 @@ def test_update_block_convolves_channels_last_tensors(
     finally:
         for hook in hooks:
             hook.remove()
-    convolutions_per_iteration = 5 + 6 + 2 + 1  # motion encoder, GRU, flow head, GMA's to_v (no mask: iteration 1)
     layouts = mode.convolutions_channels_last
-    assert len(layouts) >= 2 * convolutions_per_iteration and set(layouts) == {channels_last}
+    assert len(layouts) >= CONVOLUTION_STACKS[stack] and set(layouts) == {channels_last}
