@@ -81,13 +81,13 @@ class InferenceContext:
 
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-# glibc's mallopt parameters (malloc.h), its default cap on memory maps, and the largest mmap threshold it accepts
-# on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); above it glibc refuses the setting.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 # Compiles dynamo keeps per compiled function (its default 8): a Twins block's forward meets 8 static shapes in
 # each mode (2 widths x local/global attention x 1 or 2 images), so training and validation in one process need
 # 16, and each further validation size 8 more; past the limit the function runs eagerly
 COMPILES_PER_FUNCTION = 64
+# glibc's mallopt parameters (malloc.h), its default cap on memory maps, and the largest mmap threshold it accepts
+# on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long)); above it glibc refuses the setting.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 GLIBC_DEFAULT_MMAP_MAX = 65536
 GLIBC_MAX_MMAP_THRESHOLD_MB = 32
 TRIM_PER_MMAP_THRESHOLD = 4  # free memory kept at the heap's top, in mmap thresholds: no brk churn per step
