@@ -22,6 +22,7 @@ from flowformer.models.layers import (
     convolution_layout,
     coords_grid,
     feed_forward,
+    in_layout,
     linear_position_encoding,
     multi_head_attention,
     recomputed_in_backward,
@@ -111,12 +112,9 @@ class PatchEmbed(nn.Module):
         for idx, layer in enumerate(self.proj):
             if idx % 2 == 0 and masks[idx // 2] is not None:
                 x = x * (1 - masks[idx // 2])
-            if idx == 0 and layout is not None and x.shape[1] == 1:
-                # one cost head: NCHW and channels-last are the same memory, so only the strides change (a view)
-                x = x.contiguous().view(n, x.shape[2], x.shape[3], 1).permute(0, 3, 1, 2)
-            x = layer(x)
             if idx == 0 and layout is not None:
-                x = x.contiguous(memory_format=layout)
+                x = in_layout(x, layout)  # one cost head: a view; the convolutions then write the layout themselves
+            x = layer(x)
         # x [N, dim, H3, W3]; patch centres in 1/8-res cost-map pixels
         if self.patch_pe_dim > 0:
             centres = coords_grid(n, h3, w3, device=x.device) * PATCH + PATCH / 2

@@ -19,6 +19,7 @@ from flowformer.models.layers import (
     convolution_layout,
     coords_grid,
     feed_forward,
+    in_layout,
     linear_position_encoding,
     multi_head_attention,
     recomputed_in_backward,
@@ -292,7 +293,7 @@ class UpdateBlock(nn.Module):
         layout = convolution_layout(inp.device)
         if layout is None:
             return net, self.gru.read_context(inp)
-        return net.contiguous(memory_format=layout), self.gru.read_context(inp.contiguous(memory_format=layout), layout)
+        return in_layout(net, layout), self.gru.read_context(in_layout(inp, layout), layout)
 
     def forward(
         self,
@@ -306,7 +307,7 @@ class UpdateBlock(nn.Module):
         """gru_passes: `read_context` of this forward's context input."""
         layout = convolution_layout(net.device)
         if layout is not None:
-            net, corr, flow = (t.contiguous(memory_format=layout) for t in (net, corr, flow))
+            net, corr, flow = (in_layout(t, layout) for t in (net, corr, flow))
         motion = self.encoder(flow, corr)
         # the GRU's input after the context: motion (and aggregated motion)
         gru_input = motion if attention is None else torch.cat([motion, self.aggregator(attention, motion)], dim=1)

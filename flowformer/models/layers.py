@@ -42,6 +42,16 @@ def convolution_layout(device: torch.device) -> torch.memory_format | None:
     return None
 
 
+def in_layout(x: Tensor, layout: torch.memory_format) -> Tensor:
+    """x [N, C, H, W] with `layout`'s strides. A one-channel tensor has the same memory in NCHW and channels-last,
+    and torch counts it contiguous in both, so `contiguous` would keep its NCHW strides: a view gives it the
+    channels-last ones (nothing copied), which convolutions then read and write channels-last."""
+    if layout == torch.channels_last and x.shape[1] == 1:
+        n, _, height, width = x.shape
+        return x.contiguous().view(n, height, width, 1).permute(0, 3, 1, 2)
+    return x.contiguous(memory_format=layout)
+
+
 def linear_position_encoding(xy: Tensor, dim: int) -> Tensor:
     """Sine code of (x, y) points: xy [..., 2] -> [..., dim] = [sin ωx, cos ωx, sin ωy, cos ωy].
 

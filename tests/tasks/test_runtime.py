@@ -203,10 +203,13 @@ def test_compiled_network_gives_the_uncompiled_flow():
     assert list(net.state_dict()) == list(reference.state_dict())
 
 
-def compiled_graphs(iters: int, training: bool, **backbone) -> list[torch.fx.GraphModule]:
+def compiled_graphs(
+    iters: int, training: bool, then_validation: bool = False, **backbone
+) -> list[torch.fx.GraphModule]:
     """The graphs torch.compile captures in the first step of the compiled tiny network (with `backbone`'s
-    overrides) with `iters` decoder iterations (a forward, and its backward when `training`), from an empty
-    compile cache; checks that nothing broke a graph."""
+    overrides) with `iters` decoder iterations (a forward, and its backward when `training`), then, with
+    `then_validation`, an inference forward as Lightning's validation runs it in the same process, from an empty
+    compile cache; checks that nothing broke a graph and that every frame compiled (none left eager)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -218,8 +221,12 @@ def compiled_graphs(iters: int, training: bool, **backbone) -> list[torch.fx.Gra
         out = net(*images, iters=iters)
         if training:
             sum(flow.abs().mean() for flow in out["flow_predictions"]).backward()
+    if then_validation:
+        with torch.no_grad():
+            net.eval()(*images, iters=iters)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["frames"]["ok"] == len(COMPILED_GRAPHS)  # one graph per compiled frame, none failed
+    # one graph per compiled frame, none failed or left eager
+    assert counters["frames"]["total"] == counters["frames"]["ok"] == len(COMPILED_GRAPHS)
     return list(COMPILED_GRAPHS)
 
 
@@ -254,18 +261,9 @@ def test_compiled_regions_are_static_at_each_shape(image_encoder, training):
 def test_training_then_validation_runs_every_region_compiled():
     """A training step and then a validation forward, as Lightning runs them in one process, compile each region
     in both modes: a Twins block's forward 16 times (8 shapes a mode), past dynamo's default limit of 8 compiles
-    per function, after which the official-size network's validation ran its Twins blocks eagerly."""
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    net = build_backbone(image_encoder="twins")
-    compile_network(net, config("runtime.compile=true", "runtime.compile_backend=recording_eager").runtime)
-    images = [torch.rand(1, 3, 64, 96) * 255 for _ in range(2)]
-    COMPILED_GRAPHS.clear()
-    sum(flow.abs().mean() for flow in net(*images, iters=1)["flow_predictions"]).backward()
-    with torch.no_grad():
-        net.eval()(*images, iters=1)
-    assert counters["frames"]["total"] == counters["frames"]["ok"] == len(COMPILED_GRAPHS)
+    per function, after which the official-size network's validation ran its Twins blocks eagerly
+    (`compiled_graphs` checks that every frame compiled)."""
+    assert compiled_graphs(1, training=True, then_validation=True, image_encoder="twins")
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
