@@ -172,10 +172,9 @@ def read_pfm(path: PathLike) -> np.ndarray:
             f"truncated .pfm data: {available} bytes after the header, expected {4 * count} "
             f"for {width}x{height}x{channels}",
         )
-    values = np.frombuffer(data, dtype=dtype, count=count, offset=offset).astype(np.float32)
-    if channels == 3:
-        return np.ascontiguousarray(np.flipud(values.reshape(height, width, 3))[:, :, :2])
-    return np.ascontiguousarray(np.flipud(values.reshape(height, width)))
+    rows_up = np.flipud(np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(height, width, channels))
+    # one copy: the rows flipped, the flow's two channels kept, the bytes in this machine's float32
+    return np.array(rows_up[:, :, :2] if channels == 3 else rows_up[:, :, 0], dtype=np.float32, order="C")
 
 
 def read_kitti_flow(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
@@ -281,6 +280,11 @@ def _upright(encoded: bytes, image: np.ndarray) -> np.ndarray:
     return image if orientation == 1 else np.ascontiguousarray(_ORIENT[orientation](image))
 
 
+# OpenCV's conversion of a decoded image (grey, BGR or BGRA) to RGB: the same bytes as numpy's copy of the
+# channels reversed or repeated, about 20x faster (0.14 against 2.7 ms at 540x960)
+_TO_RGB = {1: cv2.COLOR_GRAY2RGB, 3: cv2.COLOR_BGR2RGB, 4: cv2.COLOR_BGRA2RGB}
+
+
 def read_image(path: PathLike) -> np.ndarray:
     """Read an 8-bit image -> uint8 [H, W, 3] RGB, turned as its EXIF orientation says (as viewers show it).
     Grey images become 3 channels, RGBA drops alpha."""
@@ -297,13 +301,10 @@ def read_image(path: PathLike) -> np.ndarray:
         raise FlowFileError(path, "cannot decode the file as an image (corrupt or unsupported format?)")
     if raw.dtype != np.uint8:
         raise FlowFileError(path, f"expected an 8-bit image, got dtype {raw.dtype}")
-    if raw.ndim == 2:
-        return _upright(encoded, np.repeat(raw[:, :, None], 3, axis=2))
-    if raw.shape[2] == 1:
-        return _upright(encoded, np.repeat(raw, 3, axis=2))
-    if raw.shape[2] in (3, 4):
-        return _upright(encoded, np.ascontiguousarray(raw[:, :, 2::-1]))  # BGR(A) -> RGB
-    raise FlowFileError(path, f"expected 1, 3 or 4 image channels, got {raw.shape[2]}")
+    channels = 1 if raw.ndim == 2 else raw.shape[2]
+    if channels not in _TO_RGB:
+        raise FlowFileError(path, f"expected 1, 3 or 4 image channels, got {channels}")
+    return _upright(encoded, cv2.cvtColor(raw, _TO_RGB[channels]))
 
 
 def _truncated_jpeg(encoded: bytes) -> bool:

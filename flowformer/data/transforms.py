@@ -221,27 +221,30 @@ class _DenseSpatial(_Augmentor):
             scale_y *= 2.0 ** rng.uniform(-self.max_stretch, self.max_stretch)
         scale_x, scale_y = max(scale_x, floor), max(scale_y, floor)
 
+        # The flow's vectors are scaled and their signs flipped in the crop only: the same float32 products as
+        # on the whole resized field (a sign flip is exact), for a fraction of its pixels.
+        flow_factor = np.ones(2, dtype=np.float32)  # (u, v)
         if rng.random() < self.spatial_prob:
             img1, img2 = _resize(img1, scale_x, scale_y), _resize(img2, scale_x, scale_y)
             if flow is not None:
-                flow = _resize(flow, scale_x, scale_y) * np.array([scale_x, scale_y], dtype=np.float32)
+                flow, flow_factor = _resize(flow, scale_x, scale_y), np.array([scale_x, scale_y], dtype=np.float32)
 
         if self.do_flip:
-            if rng.random() < self.h_flip_prob:
+            if rng.random() < self.h_flip_prob:  # views: the crop below copies
                 img1, img2 = img1[:, ::-1], img2[:, ::-1]
-                if flow is not None:
-                    flow = flow[:, ::-1] * np.array([-1.0, 1.0], dtype=np.float32)
+                flow = None if flow is None else flow[:, ::-1]
+                flow_factor[0] *= -1
             if rng.random() < self.v_flip_prob:
                 img1, img2 = img1[::-1], img2[::-1]
-                if flow is not None:
-                    flow = flow[::-1] * np.array([1.0, -1.0], dtype=np.float32)
+                flow = None if flow is None else flow[::-1]
+                flow_factor[1] *= -1
 
         y0 = _crop_offset(img1.shape[0], crop_h, rng, f"{type(self).__name__} height")
         x0 = _crop_offset(img1.shape[1], crop_w, rng, f"{type(self).__name__} width")
         window = (slice(y0, y0 + crop_h), slice(x0, x0 + crop_w))
         img1, img2 = np.ascontiguousarray(img1[window]), np.ascontiguousarray(img2[window])
         if flow is not None:
-            flow = np.ascontiguousarray(flow[window], dtype=np.float32)
+            flow = np.multiply(flow[window], flow_factor, dtype=np.float32)  # [crop_h, crop_w, 2], C-contiguous
         return img1, img2, flow
 
 
