@@ -72,11 +72,7 @@ class DataWait(L.Callback):
             return
         wait = sum(self._waits) / len(self._waits)
         fraction = sum(self._fractions) / len(self._fractions)
-        verdict = (
-            "the loader keeps up"
-            if fraction <= SLOW_LOADER_FRACTION
-            else "the loader does not keep up: raise data.num_workers or lower the data's cost"
-        )
+        verdict = _verdict(fraction, getattr(trainer.train_dataloader, "num_workers", None))
         log.info(
             "data wait: %.3f s per step, %.1f%% of the step time, over %d steps (time/data_wait_s): %s",
             wait,
@@ -84,3 +80,15 @@ class DataWait(L.Callback):
             len(self._waits),
             verdict,
         )
+
+
+def _verdict(fraction: float, workers: int | None) -> str:
+    """What a mean wait of `fraction` of the step says about a loader of `workers` worker processes."""
+    if fraction <= SLOW_LOADER_FRACTION:
+        return "the loader keeps up"
+    if workers == 0:  # the wait is the loading itself: nothing loads beside the step
+        return (
+            "the batches are loaded in the training process between the steps (data.num_workers=0); with cores "
+            "to spare beside the step's (a GPU run), data.num_workers>0 loads them while it runs"
+        )
+    return "the loader does not keep up: raise data.num_workers or lower the data's cost"

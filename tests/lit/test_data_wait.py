@@ -32,12 +32,13 @@ class Pairs(Dataset):
         return (torch.full((2,), float(index)),)
 
 
-def logged_waits(tmp_path, delay_s: float) -> list[dict[str, float]]:
-    """The time/* values of a LinearModule trained STEPS steps on Pairs(delay_s), one dict per logged step."""
+def logged_waits(tmp_path, delay_s: float, workers: int = 0) -> list[dict[str, float]]:
+    """The time/* values of a LinearModule trained STEPS steps on Pairs(delay_s) loaded by `workers` worker
+    processes, one dict per logged step."""
     trainer = cpu_trainer(
-        max_steps=STEPS, callbacks=[DataWait()], logger=CSVLogger(tmp_path, name=str(delay_s)), log_every_n_steps=1
+        max_steps=STEPS, callbacks=[DataWait()], logger=CSVLogger(tmp_path, name=f"{delay_s}_{workers}"), log_every_n_steps=1
     )
-    trainer.fit(LinearModule(), DataLoader(Pairs(delay_s), batch_size=BATCH))
+    trainer.fit(LinearModule(), DataLoader(Pairs(delay_s), batch_size=BATCH, num_workers=workers))
     with open(trainer.logger.experiment.metrics_file_path) as file:
         rows = [row for row in csv.DictReader(file) if row.get("time/data_wait_s")]
     return [{key: float(row[key]) for key in ("time/data_wait_s", "time/data_wait_fraction")} for row in rows]
@@ -51,10 +52,19 @@ def test_a_slow_loader_shows_as_a_large_wait_and_a_fast_one_as_none(tmp_path, ca
     assert all(row["time/data_wait_s"] >= BATCH * delay_s for row in slow)
     assert all(0.8 < row["time/data_wait_fraction"] < 1 for row in slow)  # the step itself takes milliseconds
     (summary,) = [record.getMessage() for record in caplog.records if record.name == "flowformer.lit.data_wait"]
-    assert f"% of the step time, over {STEPS - 1} steps" in summary and "does not keep up" in summary
+    assert f"% of the step time, over {STEPS - 1} steps" in summary
+    assert "loaded in the training process between the steps (data.num_workers=0)" in summary
 
     fast = logged_waits(tmp_path, 0.0)
     assert max(row["time/data_wait_s"] for row in fast) < BATCH * delay_s / 4
+
+
+def test_workers_slower_than_the_step_are_told_to_grow(tmp_path, caplog):
+    """One worker process taking 0.1 s a batch behind a step of milliseconds: more workers are the remedy."""
+    with caplog.at_level(logging.INFO, logger="flowformer.lit.data_wait"):
+        logged_waits(tmp_path, 0.025, workers=1)
+    (summary,) = [record.getMessage() for record in caplog.records if record.name == "flowformer.lit.data_wait"]
+    assert "the loader does not keep up: raise data.num_workers" in summary
 
 
 def test_a_training_run_logs_its_data_wait(tmp_path):
