@@ -152,7 +152,8 @@ def dataset_sized_trees(root: Path) -> Path:
     its dataset's image size: 24 chairs training pairs and 1 validation pair (384x512); FlyingThings3D 540x960 with 8 frames a sequence (28
     clean + 28 final pairs a direction); Sintel 436x1024 (3 pairs a pass), 1 KITTI pair (375x1242), 3 HD1K
     pairs (1080x2560), which the sintel mix weighs 600 : 200 : 15 : 28 (the full datasets: 208200 : 40000 :
-    5235 : about 40000)."""
+    5235 : about 40000); for data=youtube_vos one 25-frame video a split (720x1280 JPEGs, YouTube-VOS's most
+    common size), 30 pairs in all."""
     with image_size(384, 512):
         chairs_tree(root, [1] * 24 + [2])  # red channel 10 i: at most 25 pairs
     with image_size(540, 960):
@@ -163,4 +164,8 @@ def dataset_sized_trees(root: Path) -> Path:
         kitti_tree(root / "KITTI", pairs=1)
     with image_size(1080, 2560):
         hd1k_tree(root / "HD1k", pairs=3)
+    with image_size(720, 1280):
+        for split in ("train_all_frames", "valid_all_frames", "test_all_frames"):
+            for frame in range(25):
+                write_image(root / "youtube-vos" / split / "JPEGImages" / "video" / f"{frame:05d}.jpg", 10 * frame)
     return root
