@@ -367,9 +367,10 @@ class SparseFlowAugmentor(_Augmentor):
             img1, img2 = _resize(img1, scale, scale), _resize(img2, scale, scale)
             flow, valid = resample_sparse_flow(flow, valid, scale, scale)
 
-        if self.do_flip and rng.random() < self.h_flip_prob:
-            img1, img2, valid = img1[:, ::-1], img2[:, ::-1], valid[:, ::-1]
-            flow = flow[:, ::-1] * np.array([-1.0, 1.0], dtype=np.float32)
+        flow_sign = np.ones(2, dtype=np.float32)  # (u, v): applied in the crop, as the dense augmentor does
+        if self.do_flip and rng.random() < self.h_flip_prob:  # views: the crop below copies
+            img1, img2, valid, flow = img1[:, ::-1], img2[:, ::-1], valid[:, ::-1], flow[:, ::-1]
+            flow_sign[0] = -1
 
         height, width = img1.shape[:2]
         y0 = int(rng.integers(0, height - crop_h + self.margin_y))
@@ -379,6 +380,6 @@ class SparseFlowAugmentor(_Augmentor):
         return (
             np.ascontiguousarray(img1[window]),
             np.ascontiguousarray(img2[window]),
-            np.ascontiguousarray(flow[window], dtype=np.float32),
+            np.multiply(flow[window], flow_sign, dtype=np.float32),
             np.ascontiguousarray(valid[window], dtype=np.float32),
         )
