@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -45,6 +46,25 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# Warnings of Lightning and torch that every training run, or every DDP run, would print and that ask nothing of
+# the user (Lightning 2.6, torch 2.14; a test runs DDP training with none of them: tests/tasks/test_ddp.py):
+# - Lightning builds torch's LeafSpec itself, which torch deprecated (a FutureWarning);
+# - Lightning recommends sync_dist=True for the validation values, which torchmetrics' compute() has already
+#   gathered from every process (flowformer/metrics.py): each process logs the same numbers;
+# - DDP compares the gradient strides of a 1x1 convolution's weight [O, I, 1, 1] with its bucket's strictly, and a
+#   channels-last one (strides [I, 1, I, I]) lies in memory as the contiguous one does (strides [I, 1, 1, 1]).
+MISLEADING_WARNINGS = (
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    (UserWarning, r"It is recommended to use `self\.log\('val/"),
+    (UserWarning, r"(?s)Grad strides do not match bucket view strides\..*grad\.sizes\(\) = \[\d+, \d+, 1, 1\]"),
+)
+
+
+def silence_misleading_warnings() -> None:
+    for category, message in MISLEADING_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def close_loggers() -> None:
     """Finish the wandb run, if one was started (also between the jobs of a multirun)."""
     wandb = sys.modules.get("wandb")
@@ -60,6 +80,7 @@ def run_task(cfg: DictConfig) -> float | None:
         if logging.getLogger().handlers:
             # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line
             logging.getLogger("lightning").handlers.clear()
+        silence_misleading_warnings()
         configure_runtime(cfg.runtime)
         return module.run(cfg)
     except StoppedBySignal as stop:  # the work so far is saved; the status says it did not finish (a sweep ends)
