@@ -47,7 +47,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 
 
 # Warnings of Lightning and torch that every training run, or every DDP run, would print and that ask nothing of
-# the user (Lightning 2.6, torch 2.14; a test runs DDP training with none of them: tests/tasks/test_ddp.py):
+# the user (Lightning 2.6, torch 2.14; a test runs DDP training with none of them, nor Lightning's advertisement:
+# tests/tasks/test_ddp.py):
 # - Lightning builds torch's LeafSpec itself, which torch deprecated (a FutureWarning);
 # - Lightning recommends sync_dist=True for the validation values, which torchmetrics' compute() has already
 #   gathered from every process (flowformer/metrics.py): each process logs the same numbers;
@@ -63,6 +64,12 @@ MISLEADING_WARNINGS = (
 def silence_misleading_warnings() -> None:
     for category, message in MISLEADING_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(not_an_advertisement)
+
+
+def not_an_advertisement(record: logging.LogRecord) -> bool:
+    """False for Lightning 2.6's line that every Trainer logs to advertise a cloud logger ("💡 Tip: ...")."""
+    return not str(record.msg).startswith("💡 Tip:")
 
 
 def close_loggers() -> None:

@@ -32,3 +32,4 @@ def test_two_process_ddp_on_cpu(tmp_path):
     for warned in ("is deprecated", "It is recommended to use `self.log(", "Grad strides do not match"):
         assert warned not in output, warned
     assert "Warning" not in result.stderr, result.stderr[-4000:]
+    assert "Tip:" not in output  # Lightning's advertisement of a cloud logger
