@@ -26,7 +26,9 @@ bench-gpu`) runs the GPU figures of docs/performance.md that way. The backbone's
 are chosen for bench.device (flowformer/device_settings.py); each row records its `tokenize_chunk`.
 
 Every row also counts, on any device, the operators (aten calls: kernel launches on a GPU) that the eager
-network dispatches in one step of the row and in one decoder iteration (`count_operators`).
+network dispatches in one step of the row and in one decoder iteration (`count_operators`). A forward row's steps
+run as task=eval runs its pairs: under mixed precision each weight is cast at the first step only
+(`InferenceContext.keeping_weight_casts`).
 
 `bench.profile_steps=N` runs N more steps of each row under torch.profiler after the timed ones (`profile_steps`):
 the row records seconds per profiled step, the seconds the GPU ran kernels in it (wall minus busy: the GPU
@@ -50,6 +52,7 @@ import platform
 import resource
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +216,21 @@ def measure(cfg: DictConfig) -> dict[str, Any]:
     image2 = torch.rand(shape, device=device) * 255
     net, step = build_step(cfg, device, image1, image2)
     built_rss = peak_rss_mib()
-    operators = count_operators(cfg, net, step, (image1, image2))  # eager: the counts are of the uncompiled network
+    kept: AbstractContextManager = nullcontext()
+    if bench.mode == "forward":  # each weight cast once for all the steps, as task=eval and task=infer run pairs
+        kept = InferenceContext(device, bench.precision, "bench.precisions").keeping_weight_casts()
+    with kept:
+        return measure_steps(cfg, net, step, (image1, image2), built_rss)
+
+
+def measure_steps(
+    cfg: DictConfig, net: nn.Module, step: Callable[[], None], images: tuple[Tensor, Tensor], built_rss: float
+) -> dict[str, Any]:
+    """`measure`'s counts and timings of `step` on `images` [B,3,H,W]; `built_rss`: the peak RSS (MiB) once the
+    network was built."""
+    bench = cfg.bench
+    device = images[0].device
+    operators = count_operators(cfg, net, step, images)  # eager: the counts are of the uncompiled network
     compile_network(net, cfg.runtime)  # in place: the step's calls of the network's stages compile
 
     def timed_step() -> float:

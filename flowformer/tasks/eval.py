@@ -111,11 +111,12 @@ def evaluate_set(
     )
     warm = WarmStart() if warm_start else None
     missing_truth = 0  # ground-truth pixels that are NaN or inf: left out as invalid (flowformer/metrics.py)
-    with pair_progress() as progress:
+    inference = InferenceContext(device, precision, "eval.precision")
+    with pair_progress() as progress, inference.keeping_weight_casts():
         for index, item in enumerate(progress.track(loader, total=count, description=name)):
             image1 = item["img1"][None].to(device)  # [1,3,H,W]
             image2 = item["img2"][None].to(device)
-            with InferenceContext(device, precision, "eval.precision"):
+            with inference:
                 if warm is None:
                     flow = protocol.predict(net, image1, image2)["flow"]  # [1,2,H,W] fp32
                 else:

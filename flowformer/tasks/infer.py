@@ -28,7 +28,7 @@ import fcntl
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import cv2
@@ -155,7 +155,7 @@ def check_settings(settings: DictConfig) -> None:
         )
 
 
-def prepare_network(cfg: DictConfig) -> tuple[torch.device, AbstractContextManager, nn.Module]:
+def prepare_network(cfg: DictConfig) -> tuple[torch.device, InferenceContext, nn.Module]:
     """(device, inference context (`InferenceContext`), the network loaded from infer.checkpoint, bounded and
     compiled as set)."""
     settings = cfg.infer
@@ -233,7 +233,8 @@ def predict_pairs(
     previous = to_tensor(first, device)
     pairs = 0
     warm_start = WarmStart() if settings.warm_start else None
-    with pair_progress() as progress, StopSignals() as stop, ExitStack() as on_exit:
+    kept = inference.keeping_weight_casts()
+    with pair_progress() as progress, StopSignals() as stop, ExitStack() as on_exit, kept:
         for index, frame in enumerate(progress.track(frames, total=count - 1, description="flow")):
             if stop.received:  # SIGTERM / SIGUSR1: the pairs done are complete, flow.mp4 is closed on exit
                 raise StoppedBySignal(

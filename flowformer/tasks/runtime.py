@@ -68,7 +68,18 @@ class InferenceContext:
     def __init__(self, device: torch.device, precision: str, setting: str) -> None:
         self.autocast = autocast_context(device, precision, setting)
         self.full_precision = precision == "32-true"
+        self.device_type = device.type
         self.no_autograd: AbstractContextManager = nullcontext()
+
+    def keeping_weight_casts(self) -> AbstractContextManager:
+        """Open around a run of forwards, each in this context, of one network whose weights do not change
+        (task=eval's and task=infer's pairs, bench's forward steps): under mixed precision autocast then casts each
+        weight at the first forward and keeps the cast until this closes, instead of casting every weight again at
+        every forward (282 of a flowformer_pp forward's 2392 operators: docs/performance.md, "Operators
+        dispatched"). torch drops autocast's cast weights when the last open autocast region closes; this region
+        is disabled, so it changes nothing inside it, but stays open (tests/models/test_operator_counts.py checks
+        that torch keeps them). In full precision nothing is cast."""
+        return nullcontext() if self.full_precision else torch.autocast(self.device_type, enabled=False)
 
     def __enter__(self) -> None:
         self.no_autograd = torch.inference_mode() if self.full_precision else torch.no_grad()

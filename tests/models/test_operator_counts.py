@@ -7,11 +7,22 @@ new count in the failure message, write it below with the change's reason in the
 before/after in docs/performance.md ("Operators dispatched"). A new torch version may dispatch other operators
 for the same code: re-pin the counts then, in a commit of its own."""
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import numpy as np
 import pytest
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flowformer.tasks import bench
+from flowformer.data.io import write_image
+from flowformer.data.synthetic import SyntheticFlowDataset
+from flowformer.eval.protocol import Protocol
+from flowformer.models import FlowFormer, save_backbone
+from flowformer.tasks import bench, infer
+from flowformer.tasks.eval import evaluate_set
+from flowformer.tasks.runtime import InferenceContext, load_network
 
 from helpers.compose import compose_tiny_config
 
@@ -97,3 +108,106 @@ def test_a_decoder_iteration_makes_no_tensor_from_host_data(mode):
             net(*images, iters=iters)
         made.append(host.count)
     assert made[1] == made[0]
+
+
+# the tiny backbone's weights and biases that bf16 autocast casts in a forward (convolutions, linear layers)
+TINY_WEIGHT_CASTS_PER_FORWARD = 166
+
+
+class Casts(TorchDispatchMode):
+    """Counts the dtype casts (aten._to_copy) dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+def bf16_forwards(kept: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """Two bf16 inference forwards of the tiny backbone, each in its InferenceContext, within
+    `keeping_weight_casts` or not: (the casts of each, the flows)."""
+    torch.manual_seed(0)
+    net = load_network(compose_tiny_config().backbone, None, torch.device("cpu"))
+    images = (torch.rand(1, 3, 64, 96) * 255, torch.rand(1, 3, 64, 96) * 255)
+    context = InferenceContext(torch.device("cpu"), "bf16-mixed", "test")
+    casts, flows = [], []
+    with context.keeping_weight_casts() if kept else nullcontext():
+        for _ in range(2):
+            with Casts() as counted, context:
+                flows.append(net(*images, iters=2)["flow"])
+            casts.append(counted.count)
+    return casts, flows
+
+
+def test_a_run_of_bf16_forwards_casts_each_weight_at_its_first_forward_only():
+    """`InferenceContext.keeping_weight_casts` (task=eval's and task=infer's pairs, bench's forward steps): the
+    forwards after the first cast no weight, with bitwise the same flow. It rests on torch keeping autocast's cast
+    weights while any autocast region, even a disabled one, is open: this test fails if a torch version stops."""
+    each, flows = bf16_forwards(kept=False)
+    kept, kept_flows = bf16_forwards(kept=True)
+    assert each[0] == each[1] == kept[0]
+    assert kept[1] == each[0] - TINY_WEIGHT_CASTS_PER_FORWARD
+    assert all(torch.equal(flow, flows[0]) for flow in [flows[1], *kept_flows])
+
+
+def test_a_bf16_forward_row_of_bench_counts_a_step_after_the_weights_were_cast():
+    """bench's forward rows run their steps as task=eval runs pairs: a steady step casts no weight."""
+    cfg = bench.row_config(
+        compose_tiny_config("bench.device=cpu", "bench.iters=2", "bench.warmup=0", "bench.repeats=1"),
+        [64, 96], None, "bf16-mixed",
+    )
+    assert bench.measure(cfg)["operators_per_step"] == (
+        counts("forward", "bf16-mixed")["operators_per_step"] - TINY_WEIGHT_CASTS_PER_FORWARD
+    )
+
+
+def casts_per_forward(run: Callable[[], object]) -> list[int]:
+    """The casts dispatched inside each FlowFormer forward while `run()` runs (module hooks of torch, which
+    reach the network a task loads itself)."""
+    per_forward: list[int] = []
+    casts = Casts()
+
+    def entered(module: torch.nn.Module, *_) -> None:
+        if isinstance(module, FlowFormer):
+            per_forward.append(casts.count)
+
+    def left(module: torch.nn.Module, *_) -> None:
+        if isinstance(module, FlowFormer):
+            per_forward.append(casts.count - per_forward.pop())
+
+    hooks = [register_module_forward_pre_hook(entered), register_module_forward_hook(left)]
+    try:
+        with casts:
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return per_forward
+
+
+def test_task_eval_and_task_infer_cast_the_weights_at_their_first_pair_only(tmp_path):
+    """Under bf16-mixed the forwards after the first of task=eval's set and of task=infer's frames cast no weight."""
+    torch.manual_seed(0)
+    net = load_network(compose_tiny_config().backbone, None, torch.device("cpu"))
+    checkpoint = tmp_path / "tiny.pt"
+    save_backbone(checkpoint, net)
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i in range(4):
+        write_image(folder / f"f{i}.png", np.full((64, 96, 3), 40 * i, dtype=np.uint8))
+    infer_cfg = compose_tiny_config(
+        f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={tmp_path / 'out'}",
+        "infer.iters=2", "infer.device=cpu", "infer.precision=bf16-mixed", "infer.save_video=false",
+    )
+    data = SyntheticFlowDataset(num_samples=3, size=(64, 96), seed=0)
+    runs = {
+        "eval": lambda: evaluate_set(net, data, Protocol(kind="flow", iters=2), name="synthetic",
+                                     device=torch.device("cpu"), precision="bf16-mixed"),
+        "infer": lambda: infer.run(infer_cfg),
+    }
+    for name, run in runs.items():
+        first, *others = casts_per_forward(run)
+        assert others == [first - TINY_WEIGHT_CASTS_PER_FORWARD] * 2, name
