@@ -82,17 +82,23 @@ def test_the_counter_counts_every_operator_once():
     assert bench.operators_dispatched(lambda: None) == 0
 
 
-class HostTensors(TorchDispatchMode):
-    """Counts the tensors made from Python data (`torch.tensor`, `new_tensor`: aten.lift_fresh), each a copy
-    from the host, which on a GPU waits for every queued kernel."""
+class Dispatched(TorchDispatchMode):
+    """Counts the calls of one operator dispatched while it is active."""
 
-    def __init__(self) -> None:
+    def __init__(self, operator: torch._ops.OpOverload) -> None:
         super().__init__()
+        self.operator = operator
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten.lift_fresh.default
+        self.count += func is self.operator
         return func(*args, **(kwargs or {}))
+
+
+# a tensor made from Python data (`torch.tensor`, `new_tensor`), each a copy from the host, which on a GPU waits
+# for every queued kernel
+HOST_TENSOR = torch.ops.aten.lift_fresh.default
+CAST = torch.ops.aten._to_copy.default  # a dtype cast
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
@@ -104,7 +110,7 @@ def test_a_decoder_iteration_makes_no_tensor_from_host_data(mode):
     net, _ = bench.build_step(cfg, torch.device("cpu"), *images)
     made = []
     for iters in (1, 3):
-        with torch.set_grad_enabled(mode == "train"), HostTensors() as host:
+        with torch.set_grad_enabled(mode == "train"), Dispatched(HOST_TENSOR) as host:
             net(*images, iters=iters)
         made.append(host.count)
     assert made[1] == made[0]
@@ -112,18 +118,6 @@ def test_a_decoder_iteration_makes_no_tensor_from_host_data(mode):
 
 # the tiny backbone's weights and biases that bf16 autocast casts in a forward (convolutions, linear layers)
 TINY_WEIGHT_CASTS_PER_FORWARD = 166
-
-
-class Casts(TorchDispatchMode):
-    """Counts the dtype casts (aten._to_copy) dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._to_copy.default
-        return func(*args, **(kwargs or {}))
 
 
 def bf16_forwards(kept: bool) -> tuple[list[int], list[torch.Tensor]]:
@@ -136,7 +130,7 @@ def bf16_forwards(kept: bool) -> tuple[list[int], list[torch.Tensor]]:
     casts, flows = [], []
     with context.keeping_weight_casts() if kept else nullcontext():
         for _ in range(2):
-            with Casts() as counted, context:
+            with Dispatched(CAST) as counted, context:
                 flows.append(net(*images, iters=2)["flow"])
             casts.append(counted.count)
     return casts, flows
@@ -168,7 +162,7 @@ def casts_per_forward(run: Callable[[], object]) -> list[int]:
     """The casts dispatched inside each FlowFormer forward while `run()` runs (module hooks of torch, which
     reach the network a task loads itself)."""
     per_forward: list[int] = []
-    casts = Casts()
+    casts = Dispatched(CAST)
 
     def entered(module: torch.nn.Module, *_) -> None:
         if isinstance(module, FlowFormer):
