@@ -120,44 +120,6 @@ def test_a_decoder_iteration_makes_no_tensor_from_host_data(mode):
 TINY_WEIGHT_CASTS_PER_FORWARD = 166
 
 
-def bf16_forwards(kept: bool) -> tuple[list[int], list[torch.Tensor]]:
-    """Two bf16 inference forwards of the tiny backbone, each in its InferenceContext, within
-    `keeping_weight_casts` or not: (the casts of each, the flows)."""
-    torch.manual_seed(0)
-    net = load_network(compose_tiny_config().backbone, None, torch.device("cpu"))
-    images = (torch.rand(1, 3, 64, 96) * 255, torch.rand(1, 3, 64, 96) * 255)
-    context = InferenceContext(torch.device("cpu"), "bf16-mixed", "test")
-    casts, flows = [], []
-    with context.keeping_weight_casts() if kept else nullcontext():
-        for _ in range(2):
-            with Dispatched(CAST) as counted, context:
-                flows.append(net(*images, iters=2)["flow"])
-            casts.append(counted.count)
-    return casts, flows
-
-
-def test_a_run_of_bf16_forwards_casts_each_weight_at_its_first_forward_only():
-    """`InferenceContext.keeping_weight_casts` (task=eval's and task=infer's pairs, bench's forward steps): the
-    forwards after the first cast no weight, with bitwise the same flow. It rests on torch keeping autocast's cast
-    weights while any autocast region, even a disabled one, is open: this test fails if a torch version stops."""
-    each, flows = bf16_forwards(kept=False)
-    kept, kept_flows = bf16_forwards(kept=True)
-    assert each[0] == each[1] == kept[0]
-    assert kept[1] == each[0] - TINY_WEIGHT_CASTS_PER_FORWARD
-    assert all(torch.equal(flow, flows[0]) for flow in [flows[1], *kept_flows])
-
-
-def test_a_bf16_forward_row_of_bench_counts_a_step_after_the_weights_were_cast():
-    """bench's forward rows run their steps as task=eval runs pairs: a steady step casts no weight."""
-    cfg = bench.row_config(
-        compose_tiny_config("bench.device=cpu", "bench.iters=2", "bench.warmup=0", "bench.repeats=1"),
-        [64, 96], None, "bf16-mixed",
-    )
-    assert bench.measure(cfg)["operators_per_step"] == (
-        counts("forward", "bf16-mixed")["operators_per_step"] - TINY_WEIGHT_CASTS_PER_FORWARD
-    )
-
-
 def casts_per_forward(run: Callable[[], object]) -> list[int]:
     """The casts dispatched inside each FlowFormer forward while `run()` runs (module hooks of torch, which
     reach the network a task loads itself)."""
@@ -180,6 +142,46 @@ def casts_per_forward(run: Callable[[], object]) -> list[int]:
         for hook in hooks:
             hook.remove()
     return per_forward
+
+
+def bf16_forwards(kept: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """Two bf16 inference forwards of the tiny backbone, each in its InferenceContext, within
+    `keeping_weight_casts` or not: (the casts of each, the flows)."""
+    torch.manual_seed(0)
+    net = load_network(compose_tiny_config().backbone, None, torch.device("cpu"))
+    images = (torch.rand(1, 3, 64, 96) * 255, torch.rand(1, 3, 64, 96) * 255)
+    context = InferenceContext(torch.device("cpu"), "bf16-mixed", "test")
+    flows = []
+
+    def two_forwards() -> None:
+        with context.keeping_weight_casts() if kept else nullcontext():
+            for _ in range(2):
+                with context:
+                    flows.append(net(*images, iters=2)["flow"])
+
+    return casts_per_forward(two_forwards), flows
+
+
+def test_a_run_of_bf16_forwards_casts_each_weight_at_its_first_forward_only():
+    """`InferenceContext.keeping_weight_casts` (task=eval's and task=infer's pairs, bench's forward steps): the
+    forwards after the first cast no weight, with bitwise the same flow. It rests on torch keeping autocast's cast
+    weights while any autocast region, even a disabled one, is open: this test fails if a torch version stops."""
+    each, flows = bf16_forwards(kept=False)
+    kept, kept_flows = bf16_forwards(kept=True)
+    assert each[0] == each[1] == kept[0]
+    assert kept[1] == each[0] - TINY_WEIGHT_CASTS_PER_FORWARD
+    assert all(torch.equal(flow, flows[0]) for flow in [flows[1], *kept_flows])
+
+
+def test_a_bf16_forward_row_of_bench_counts_a_step_after_the_weights_were_cast():
+    """bench's forward rows run their steps as task=eval runs pairs: a steady step casts no weight."""
+    cfg = bench.row_config(
+        compose_tiny_config("bench.device=cpu", "bench.iters=2", "bench.warmup=0", "bench.repeats=1"),
+        [64, 96], None, "bf16-mixed",
+    )
+    assert bench.measure(cfg)["operators_per_step"] == (
+        counts("forward", "bf16-mixed")["operators_per_step"] - TINY_WEIGHT_CASTS_PER_FORWARD
+    )
 
 
 def test_task_eval_and_task_infer_cast_the_weights_at_their_first_pair_only(tmp_path):
