@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,21 @@ def check_decoder_iterations(**settings: int) -> None:
     for setting, iters in settings.items():
         if iters < 1:
             raise ValueError(f"model.{setting}={iters}: the decoder needs at least 1 iteration")
+
+
+def each_weight_cast_once(device_type: str) -> AbstractContextManager:
+    """Open inside a step that Lightning runs under mixed precision: autocast as Lightning opened it, with its
+    weight cache. Lightning's MixedPrecision plugin (2.6) enters autocast with `cache_enabled=False`, so every
+    call of a convolution or linear layer casts its weight again: at each of the decoder's iterations, and
+    each cast has its own cast back in backward (682 casts more in a 12-iteration training step of the
+    official-size network; docs/performance.md, "Operators dispatched"). With the cache a step casts each
+    weight once, as the official code's autocast does, and the bench's and the memory estimate's steps. Torch
+    drops the casts when the outermost autocast region closes: at the end of the step. Without autocast (full
+    precision), nothing to cast. Under torch.inference_mode autocast keeps no cast, whatever the cache says
+    (the trainer configs validate under torch.no_grad: `inference_mode: false`)."""
+    if not torch.is_autocast_enabled(device_type):
+        return nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=True)
 
 
 def build_backbone(backbone: nn.Module | Mapping[str, Any]) -> nn.Module:

@@ -10,7 +10,13 @@ import torch
 from torch import Tensor, nn
 
 from flowformer.eval.protocol import Protocol, validation_protocol
-from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite, check_training_size
+from flowformer.lit.base import (
+    BackboneModule,
+    check_decoder_iterations,
+    check_finite,
+    check_training_size,
+    each_weight_cast_once,
+)
 from flowformer.lit.images import image_api, log_images
 from flowformer.losses import sequence_loss
 from flowformer.metrics import NothingScoredError
@@ -94,7 +100,8 @@ class FlowModule(BackboneModule):
         check_training_size(image1)
         if self.hparams.add_noise:
             image1, image2 = self._add_pixel_noise(image1, image2)
-        output = self.backbone(image1, image2, iters=self.hparams.train_iters)
+        with each_weight_cast_once(image1.device.type):
+            output = self.backbone(image1, image2, iters=self.hparams.train_iters)
         loss, metrics = sequence_loss(
             output["flow_predictions"],
             batch["flow"],
@@ -113,7 +120,8 @@ class FlowModule(BackboneModule):
         if name not in self.val_protocols:  # the loaders of a datamodule without `val_names`: one set `val`
             self.set_validation_sets({"val": None})
         image1, image2 = batch["img1"], batch["img2"]
-        flow = self.val_protocols[name].predict(self.backbone, image1, image2)["flow"]  # [B,2,H,W]
+        with each_weight_cast_once(image1.device.type):
+            flow = self.val_protocols[name].predict(self.backbone, image1, image2)["flow"]  # [B,2,H,W]
         self.val_metrics[name].update(flow, batch["flow"], batch.get("valid"))
         if batch_idx == 0 and any(image_api(logger) for logger in self.loggers):
             panels = {

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowformer.lit.base import BackboneModule, check_decoder_iterations, check_finite, check_training_size
+from flowformer.lit.base import (
+    BackboneModule,
+    check_decoder_iterations,
+    check_finite,
+    check_training_size,
+    each_weight_cast_once,
+)
 from flowformer.unsupervised_loss import UnsupervisedLossSettings, unsupervised_loss
 
 
@@ -71,7 +77,8 @@ class UnsupervisedPretrainModule(BackboneModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         image1, image2 = batch["img1"], batch["img2"]
         check_training_size(image1)
-        loss, terms = self.pretrain_step(image1, image2)
+        with each_weight_cast_once(image1.device.type):
+            loss, terms = self.pretrain_step(image1, image2)
         check_finite(loss.detach(), "unsupervised loss", self.global_step)
         batch_size = image1.shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=True)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowformer.data.io import write_image
 from flowformer.data.synthetic import SyntheticFlowDataset
@@ -25,6 +24,7 @@ from flowformer.tasks.eval import evaluate_set
 from flowformer.tasks.runtime import InferenceContext, load_network
 
 from helpers.compose import compose_tiny_config
+from helpers.dispatch import CAST, HOST_TENSOR, Dispatched
 
 # tiny backbone, one 64x96 pair, 2 decoder iterations, fp32, dense, on the CPU, torch 2.x
 # the attentions of at most 8x64 logits written out (layers.UNFUSED_MAX_LOGITS: faster on the CPU and the GPU,
@@ -80,25 +80,6 @@ def test_the_counter_counts_every_operator_once():
     x = torch.ones(3)
     assert bench.operators_dispatched(lambda: (x + 1) * 2) == 2
     assert bench.operators_dispatched(lambda: None) == 0
-
-
-class Dispatched(TorchDispatchMode):
-    """Counts the calls of one operator dispatched while it is active."""
-
-    def __init__(self, operator: torch._ops.OpOverload) -> None:
-        super().__init__()
-        self.operator = operator
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is self.operator
-        return func(*args, **(kwargs or {}))
-
-
-# a tensor made from Python data (`torch.tensor`, `new_tensor`), each a copy from the host, which on a GPU waits
-# for every queued kernel
-HOST_TENSOR = torch.ops.aten.lift_fresh.default
-CAST = torch.ops.aten._to_copy.default  # a dtype cast
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
