@@ -1,18 +1,20 @@
 """What only a GPU shows (skipped without CUDA): bf16-mixed training and MCVA pretraining through run.py, DDP
 over NCCL launched by Lightning, TF32 under the default runtime.matmul_precision, an inductor-compiled
-network and the memory activation checkpointing saves. bf16 autocast against fp32 on CUDA is in
-test_models_network.py."""
+network, the memory activation checkpointing saves and the logged gradient norm's foreach kernels. bf16 autocast
+against fp32 on CUDA is in test_models_network.py."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
+from flowformer.lit.flow import FlowModule
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
+from flowformer.tasks.bench import operators_dispatched
 from flowformer.tasks.runtime import compile_network, configure_runtime
 
 from helpers.compose import compose_tiny_config
-from helpers.configs import build_backbone
+from helpers.configs import backbone_config, build_backbone, flow_settings
 from helpers.run import run_py
 
 pytestmark = [
@@ -133,3 +135,15 @@ def test_activation_checkpointing_lowers_the_peak_of_a_bf16_training_step() -> N
     assert peaks[1] < 0.6 * peaks[0]
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.999
     assert torch.isclose(grads[1].norm(), grads[0].norm(), rtol=1e-2)
+
+
+def test_the_logged_gradient_norm_takes_a_few_operators_on_cuda() -> None:
+    """BackboneModule.on_before_optimizer_step takes the norm of every gradient by torch's foreach kernels on
+    CUDA: a few operators for the tiny network's gradients, where one norm per parameter went before (and goes
+    on the CPU, which has no foreach kernels)."""
+    module = FlowModule(backbone=backbone_config(), **flow_settings(train_iters=2, val_iters=2)).cuda()
+    parameters = module.trainable_parameters()
+    for parameter in parameters:
+        parameter.grad = torch.ones_like(parameter)
+    optimizer = torch.optim.SGD(parameters, lr=0.0)
+    assert operators_dispatched(lambda: module.on_before_optimizer_step(optimizer)) < 20 < len(parameters)
