@@ -7,6 +7,7 @@ of the hyper-parameters checkpoints held before those partials (`current_hyperpa
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -61,14 +62,19 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN/inf loss or gradient; raised before the optimiser touches the weights."""
 
 
-def check_finite(value: Tensor, what: str, step: int) -> None:
-    if not torch.isfinite(value).all():
-        raise NonFiniteLossError(
-            f"non-finite {what} ({value.item() if value.numel() == 1 else 'tensor'}) at global step {step}: "
-            "training stopped before the optimiser step, so the weights and the last saved checkpoint are "
-            "intact. Lower model.optimizer.lr, check the data (NaN/inf flow or images), or resume from the "
-            "last checkpoint with ckpt_path=..."
-        )
+def check_finite(values: list[tuple[str, Tensor]], step: int) -> None:
+    """Raises NonFiniteLossError for the first of `values` ((what it is, a scalar tensor), all on one device) that
+    is NaN or inf. They are checked on their device together: on a GPU one wait for the queued kernels."""
+    stacked = torch.stack([value.detach().float() for _, value in values])
+    if torch.isfinite(stacked).all():
+        return
+    for (what, _), value in zip(values, stacked.tolist()):
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"non-finite {what} ({value}) at global step {step}: training stopped before the optimiser step, "
+                "so the weights and the last saved checkpoint are intact. Lower model.optimizer.lr, check the data "
+                "(NaN/inf flow or images), or resume from the last checkpoint with ckpt_path=..."
+            )
 
 
 def check_training_size(image: Tensor) -> None:
@@ -243,6 +249,14 @@ class BackboneModule(L.LightningModule):
             hparams["backbone"] = {**hparams["backbone"], "twins_weights": None}
         self.save_hyperparameters(hparams)
         self.backbone = build_backbone(backbone)
+        self.unchecked_losses: list[tuple[str, Tensor]] = []  # `defer_finite_check`
+
+    def defer_finite_check(self, loss: Tensor, what: str) -> None:
+        """Has `loss` (a training step's, detached) checked with the gradient norm before the optimiser step
+        (`on_before_optimizer_step`, at the last of accumulated batches) instead of now: reading it now would make
+        the CPU wait for a GPU's forward before it queues the backward. Under DDP every process then reaches the
+        check after the same gradient exchange, which carries one process's NaN to every process's gradients."""
+        self.unchecked_losses.append((what, loss.detach()))
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -360,12 +374,15 @@ class BackboneModule(L.LightningModule):
         return {"total_steps": max_steps + SCHEDULE_STEPS_AFTER_MAX_STEPS}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Log the gradient norm and refuse to step on NaN/inf gradients (they would poison the weights)."""
+        """Refuse to step on a NaN/inf loss of the steps since the last one (`defer_finite_check`) or gradient
+        (they would poison the weights), read together; log the gradient norm."""
+        checked, self.unchecked_losses = self.unchecked_losses, []
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
-        # the 2-norm of all gradients together; on a GPU by torch's foreach kernels, a few launches where one per
-        # parameter (about 400 in the official-size network) went before; on the CPU one norm per gradient
-        grad_norm = torch.nn.utils.get_total_norm(grads)
-        check_finite(grad_norm, "gradient norm", self.global_step)
-        self.log("train/grad_norm", grad_norm)
+        if grads:
+            # the 2-norm of all gradients together; on a GPU by torch's foreach kernels, a few launches where one
+            # per parameter (about 400 in the official-size network) went before; on the CPU one norm per gradient
+            checked.append(("gradient norm", torch.nn.utils.get_total_norm(grads)))
+        if checked:
+            check_finite(checked, self.global_step)
+        if grads:
+            self.log("train/grad_norm", checked[-1][1])

@@ -13,7 +13,6 @@ from flowformer.eval.protocol import Protocol, validation_protocol
 from flowformer.lit.base import (
     BackboneModule,
     check_decoder_iterations,
-    check_finite,
     check_training_size,
     each_weight_cast_once,
 )
@@ -109,7 +108,7 @@ class FlowModule(BackboneModule):
             gamma=self.hparams.gamma,
             max_flow=self.hparams.max_flow,
         )
-        check_finite(loss.detach(), "loss", self.global_step)
+        self.defer_finite_check(loss, "loss")
         batch_size = image1.shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch_size)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flowformer.lit.base import BackboneModule, check_finite, check_training_size, each_weight_cast_once
+from flowformer.lit.base import BackboneModule, check_training_size, each_weight_cast_once
 from flowformer.lit.images import image_api, log_images
 from flowformer.models.mcva import (
     CostMaskGenerator,
@@ -222,7 +222,7 @@ class MCVAPretrainModule(BackboneModule):
         with_images = self._should_log_images()
         with each_weight_cast_once(image1.device.type):
             output = self.pretrain_step(image1, image2, keep_rounds=1 if with_images else 0)
-        check_finite(output.loss.detach(), "MCVA loss", self.global_step)
+        self.defer_finite_check(output.loss, "MCVA loss")
         batch_size = image1.shape[0]
         self.log("train/loss", output.loss, prog_bar=True, batch_size=batch_size)
         self.log("train/loss_per_round", output.loss.detach() / self.objective.query_num, batch_size=batch_size)

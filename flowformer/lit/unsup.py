@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from flowformer.lit.base import (
     BackboneModule,
     check_decoder_iterations,
-    check_finite,
     check_training_size,
     each_weight_cast_once,
 )
@@ -79,7 +78,7 @@ class UnsupervisedPretrainModule(BackboneModule):
         check_training_size(image1)
         with each_weight_cast_once(image1.device.type):
             loss, terms = self.pretrain_step(image1, image2)
-        check_finite(loss.detach(), "unsupervised loss", self.global_step)
+        self.defer_finite_check(loss, "unsupervised loss")
         batch_size = image1.shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=True)
         logged = {f"train/{name}": value for name, value in terms.items()}

@@ -22,3 +22,5 @@ class Dispatched(TorchDispatchMode):
 HOST_TENSOR = torch.ops.aten.lift_fresh.default
 # a dtype cast where autograd records it (grad mode and torch.no_grad; torch.inference_mode dispatches `aten.to`)
 CAST = torch.ops.aten._to_copy.default
+# a tensor's value read by the host (`.item()`, `bool()`), which on a GPU waits for every queued kernel
+HOST_READ = torch.ops.aten._local_scalar_dense.default

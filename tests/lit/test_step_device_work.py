@@ -1,8 +1,12 @@
-"""Lightning's mixed-precision steps cast each weight once per step, as the bench's steps do (the steps whose
-GPU times docs/performance.md reports): Lightning 2.6 opens autocast without its weight cache, so without
-`each_weight_cast_once` every decoder iteration (every MCVA query round) cast every weight again, and the
-validation of the trainer configs casts each weight once per step too (`inference_mode: false`). The steps run
-through a trainer built from conf/trainer, bf16-mixed on the CPU, tiny backbone."""
+"""What a training or validation step through Lightning asks of the device, counted as torch dispatches it
+(bf16-mixed on the CPU, tiny backbone, a trainer built from conf/trainer):
+
+- Casts: each weight once per step, as the bench's steps (whose GPU times docs/performance.md reports). Lightning
+  2.6 opens autocast without its weight cache, so without `each_weight_cast_once` every decoder iteration (every
+  MCVA query round) cast every weight again; the trainer configs validate under torch.no_grad
+  (`inference_mode: false`), where autocast keeps its casts.
+- Host reads: one a training step, the loss and the gradient norm checked together before the optimiser step
+  (`defer_finite_check`); on a GPU each read waits for every queued kernel."""
 
 import hydra
 import lightning as L
@@ -15,7 +19,7 @@ from flowformer.tasks.runtime import InferenceContext
 from flowformer.tasks.train import build_model
 
 from helpers.compose import compose_tiny_config
-from helpers.dispatch import CAST, Dispatched
+from helpers.dispatch import CAST, HOST_READ, Dispatched
 
 # {module: (its run's overrides, the knob that repeats the network's rounds, bench.mode of its step)}
 STEPS = {
@@ -109,3 +113,41 @@ def test_a_bf16_validation_step_casts_per_iteration_as_task_eval(tmp_path):
             validation_protocol(None, iters).predict(network, *images)
         per_forward[iters] = casts.count
     assert per_run[4] - per_run[2] == per_forward[4] - per_forward[2]
+
+
+class HostReads(L.Callback):
+    """The host reads dispatched in the second training step, from its batch to its optimiser step."""
+
+    def __init__(self) -> None:
+        self.counter = Dispatched(HOST_READ)
+        self.count: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 1:
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 2:
+            self.counter.__exit__(None, None, None)
+            self.count = self.counter.count
+
+
+# the supervised and the photometric steps; MCVA's step also reads the block sizes and offsets of its masks, drawn
+# on the host by a CPU generator (nothing a GPU waits for)
+READING_STEPS = {
+    "flow": ["debug=tiny"],
+    "unsup": ["experiment=unsup_pretrain", "backbone=tiny", "data=synthetic_video", "trainer=cpu", "data.batch_size=2"],
+}
+
+
+@pytest.mark.parametrize("module", list(READING_STEPS))
+def test_a_training_step_reads_one_value_from_the_device(module, tmp_path):
+    """The loss is not read after the forward (the CPU would wait for it before queuing the backward): it is
+    checked with the gradient norm, in one read, before the optimiser step."""
+    overrides = READING_STEPS[module]
+    cfg = compose_tiny_config(*overrides, "model.train_iters=2", "trainer.max_steps=2", "trainer.limit_val_batches=0")
+    torch.manual_seed(0)
+    reads = HostReads()
+    trainer = trainer_from_config(cfg, tmp_path, [reads])
+    trainer.fit(build_model(cfg), datamodule=hydra.utils.instantiate(cfg.data))
+    assert reads.count == 1
