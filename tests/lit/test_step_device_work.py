@@ -43,6 +43,8 @@ class Gradients(L.Callback):
 
 
 def trainer_from_config(cfg, tmp_path, callbacks=()) -> L.Trainer:
+    """The trainer of the run's config (conf/trainer and its overrides), without loggers, checkpoints or the
+    run's own callbacks."""
     return hydra.utils.instantiate(
         cfg.trainer, logger=False, callbacks=list(callbacks), enable_checkpointing=False, default_root_dir=tmp_path
     )
