@@ -378,11 +378,12 @@ class BackboneModule(L.LightningModule):
         (they would poison the weights), read together; log the gradient norm."""
         checked, self.unchecked_losses = self.unchecked_losses, []
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            # the 2-norm of all gradients together; on a GPU by torch's foreach kernels, a few launches where one
-            # per parameter (about 400 in the official-size network) went before; on the CPU one norm per gradient
-            checked.append(("gradient norm", torch.nn.utils.get_total_norm(grads)))
+        # the 2-norm of all gradients together; on a GPU by torch's foreach kernels, a few launches where one per
+        # parameter (about 400 in the official-size network) went before; on the CPU one norm per gradient
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if grad_norm is not None:
+            checked.append(("gradient norm", grad_norm))
         if checked:
             check_finite(checked, self.global_step)
-        if grads:
-            self.log("train/grad_norm", checked[-1][1])
+        if grad_norm is not None:
+            self.log("train/grad_norm", grad_norm)
