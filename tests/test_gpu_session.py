@@ -94,7 +94,7 @@ def test_an_unknown_step_is_refused_in_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         (
-            "--steps: train unknown; expected some of attention_kernels, compile_inference, compile_train, data_wait, "
-            "inference_tf32_bf16, mcva_bf16, other_rows, probe, pytest_gpu, train_bf16"
+            "--steps: train unknown; expected some of attention_kernels, compile_inference, compile_inference_decoder, "
+            "compile_train, data_wait, inference_tf32_bf16, mcva_bf16, other_rows, probe, pytest_gpu, train_bf16"
         )
     ]

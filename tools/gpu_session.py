@@ -8,8 +8,8 @@ Steps: set-up (the carried wheels into a folder on PYTHONPATH), probe (GPU, torc
 attention's kernels timed (docs/measured/attention_backends.py, attention.log), then
 the rows of conf/bench/gpu.yaml (`task=bench bench=gpu`, the rows a step names, each row stopped after its
 bench.timeout_s): the bf16 training step; inference at 440x1024 in TF32 and bf16; the MCVA step; the inference
-row compiled (`runtime.compile=true`: compile_s); the data wait of a 100-step `trainer=gpu` training run;
-`pytest -m gpu`; every other row of gpu.yaml and the compiled training row. A step past its limit is killed with
+row compiled (`runtime.compile=true`: compile_s), then with its decoder alone compiled; the data wait of a
+100-step `trainer=gpu` training run; `pytest -m gpu`; every other row of gpu.yaml and the compiled training row. A step past its limit is killed with
 its processes and recorded as stopped; the steps after the budget are recorded as not run.
 
 Writes to --out (at most 8 files, what a lent machine sends back): summary.md (each step's status and seconds,
@@ -107,6 +107,8 @@ def session_steps() -> list[Step]:
         bench_step("inference_tf32_bf16", [tf32, bf16], 60, PROFILED),
         bench_step("mcva_bf16", [mcva], 120, PROFILED),
         bench_step("compile_inference", [tf32], 150, "runtime.compile=true"),
+        bench_step("compile_inference_decoder", [tf32], 120, "runtime.compile=true",
+                   "runtime.compile_regions=[decoder]"),
         Step("data_wait", 150, ["run.py", *DATA_WAIT], DRY_DATA_WAIT, log="data_wait.log"),
         Step("pytest_gpu", 360, pytest, log="pytest.txt"),  # 13 tests; of the first 9, 5 took 218 s and 4 85 s on an H200
         bench_step("other_rows", [row for row in preset_rows() if row not in named], 60),

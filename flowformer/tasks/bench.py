@@ -72,6 +72,7 @@ from flowformer.tasks.runtime import (
     InferenceContext,
     autocast_context,
     compile_network,
+    compiled_parts,
     configure_runtime,
     load_network,
     pick_device,
@@ -501,7 +502,11 @@ def run(cfg: DictConfig) -> float:
         "image_encoder": cfg.backbone.get("image_encoder"),
         "matmul_precision": runtime.matmul_precision,
         "cpu_mmap_threshold_mb": runtime.cpu_mmap_threshold_mb,
-        "compile": f"{runtime.compile_backend} ({runtime.compile_mode})" if runtime.compile else None,
+        "compile": (
+            f"{runtime.compile_backend} ({runtime.compile_mode}) of {', '.join(compiled_parts(runtime))}"
+            if runtime.compile
+            else None
+        ),
     }
     about = machine()
     record = {"machine": about, "setup": setup, "rows": rows}

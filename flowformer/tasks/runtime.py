@@ -13,7 +13,7 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -159,34 +159,51 @@ def configure_runtime(settings: DictConfig) -> None:
     configure_host_allocator(settings.cpu_mmap_threshold_mb)
 
 
-def compile_regions(net: FlowFormer) -> list[nn.Module]:
-    """The modules `compile_network` compiles besides the decoder's refinement iteration, each a region that
-    runs many times with the same shapes: the cost query's token encoder and attention (once per MCVA query
-    round; inside the iteration they are part of its graph), the cost encoder's patch embedding and latent
-    summary (once per `tokenize_chunk` block) and each of its AGT layers, and the image encoders (a Twins encoder
-    by its transformer blocks; once per forward). The loops between them run eagerly, so one compiled graph per
-    region serves every call, however many."""
+# runtime.compile_regions: the parts of the network runtime.compile compiles (`compile_regions`)
+COMPILED_PARTS = ("image_encoders", "cost_encoder", "decoder")
+
+
+def compile_regions(net: FlowFormer, parts: tuple[str, ...] | list[str] = COMPILED_PARTS) -> list[nn.Module]:
+    """The modules `compile_network` compiles of `parts` (of COMPILED_PARTS) besides the decoder's refinement
+    iteration, each a region that runs many times with the same shapes: the image encoders (a Twins encoder by
+    its transformer blocks; once per forward), the cost encoder's patch embedding and latent summary (once per
+    `tokenize_chunk` block) and each of its AGT layers, and the decoder's cost query, its token encoder and
+    attention (once per MCVA query round; inside the iteration they are part of its graph). The loops between
+    them run eagerly, so one compiled graph per region serves every call, however many."""
     decoder, cost_encoder = net.memory_decoder, net.cost_encoder
     regions: list[nn.Module] = []
-    for encoder in [*net.feature_encoder_modules(), *net.context_encoder_modules()]:
-        twins = isinstance(encoder, TwinsEncoder)
-        regions += [block for stage in encoder.svt.blocks for block in stage] if twins else [encoder]
-    if isinstance(cost_encoder, CostPerceiverEncoder):
+    if "image_encoders" in parts:
+        for encoder in [*net.feature_encoder_modules(), *net.context_encoder_modules()]:
+            twins = isinstance(encoder, TwinsEncoder)
+            regions += [block for stage in encoder.svt.blocks for block in stage] if twins else [encoder]
+    if "cost_encoder" in parts and isinstance(cost_encoder, CostPerceiverEncoder):
         regions += [cost_encoder.patch_embed, cost_encoder.input_layer]
         regions += [*cost_encoder.encoder_layers, *cost_encoder.vertical_encoder_layers]
-    elif cost_encoder is not None:
+    elif "cost_encoder" in parts and cost_encoder is not None:
         regions.append(cost_encoder)
-    if isinstance(decoder, MemoryDecoder):
+    if "decoder" in parts and isinstance(decoder, MemoryDecoder):
         regions += [decoder.flow_token_encoder, decoder.decoder_layer.cross_attend]
     return regions
 
 
+def compiled_parts(settings: DictConfig) -> tuple[str, ...]:
+    """runtime.compile_regions as a tuple of COMPILED_PARTS; anything else is one error naming the key."""
+    parts = settings.get("compile_regions", list(COMPILED_PARTS))
+    if not isinstance(parts, (list, tuple, ListConfig)) or not set(parts) <= set(COMPILED_PARTS):
+        raise ValueError(
+            f"runtime.compile_regions={parts}: expected a list of {', '.join(COMPILED_PARTS)} (the parts "
+            "runtime.compile compiles), e.g. runtime.compile_regions=[decoder]"
+        )
+    return tuple(parts)
+
+
 def compile_network(net: FlowFormer, settings: DictConfig) -> None:
-    """With `runtime.compile`, torch.compile `net`'s repeated regions in place (`compile_regions`,
-    `nn.Module.compile`) and its decoder's refinement iteration, one graph for the correlation lookup, update
-    block, flow update and upsampling (`RecurrentRefinement.compile_iteration`): compile time does not grow with
-    the decoder's iterations, and `state_dict()` keys stay the plain ones (no `_orig_mod.`), so checkpoints load
-    into uncompiled networks. Each region compiles on its first call with a new input shape or mode (train /
+    """With `runtime.compile`, torch.compile the repeated regions of `net`'s parts in `runtime.compile_regions`
+    in place (`compile_regions`, `nn.Module.compile`) and, with the decoder, its refinement iteration, one graph
+    for the correlation lookup, update block, flow update and upsampling (`RecurrentRefinement.compile_iteration`;
+    the decoder alone compiled in a third of the time on a CPU, docs/performance.md): compile time does not grow
+    with the decoder's iterations, and `state_dict()` keys stay the plain ones (no `_orig_mod.`), so checkpoints
+    load into uncompiled networks. Each region compiles on its first call with a new input shape or mode (train /
     eval), a static graph for each shape (`dynamic=False`): the image encoders meet one compiled block at several
     shapes in every forward (both images in the feature encoder, one in the context encoder; a Twins encoder's two
     widths), and dynamo's automatic dynamic shapes recompiled them for symbolic sizes, slower to compile and to
@@ -194,18 +211,20 @@ def compile_network(net: FlowFormer, settings: DictConfig) -> None:
     decoder's iteration is graphed."""
     if not settings.compile:
         return
-    backend, mode = settings.compile_backend, settings.compile_mode
+    backend, mode, parts = settings.compile_backend, settings.compile_mode, compiled_parts(settings)
     regions_settings, cuda_graphs = region_compile_settings(backend, mode)
     dynamo = torch._dynamo.config
     limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # its older name
     setattr(dynamo, limit, max(getattr(dynamo, limit), COMPILES_PER_FUNCTION))
-    regions = compile_regions(net)
+    regions = compile_regions(net, parts)
     for region in regions:
         region.compile(backend=backend, dynamic=False, **regions_settings)
-    net.memory_decoder.compile_iteration(backend=backend, mode=mode, own_outputs=cuda_graphs)
+    if "decoder" in parts:
+        net.memory_decoder.compile_iteration(backend=backend, mode=mode, own_outputs=cuda_graphs)
     log.info(
-        "torch.compile %s (mode %s): %d regions and the decoder's iteration%s", backend, mode, len(regions),
-        " (CUDA graphs: the iteration alone)" if cuda_graphs else "",
+        "torch.compile %s (mode %s) of %s: %d regions%s%s", backend, mode, ", ".join(parts), len(regions),
+        " and the decoder's iteration" if "decoder" in parts else "",
+        " (CUDA graphs: the iteration alone)" if cuda_graphs and "decoder" in parts else "",
     )
 
 

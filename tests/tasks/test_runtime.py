@@ -322,6 +322,32 @@ def test_a_compiled_decoder_iteration_is_one_graph(decoder):
     assert {torch.nn.functional.grid_sample, torch.nn.functional.unfold, torch.sigmoid} <= last
 
 
+@pytest.mark.parametrize("parts", [["decoder"], ["image_encoders", "cost_encoder"]], ids=["decoder", "encoders"])
+def test_compile_regions_compiles_those_parts_alone(parts):
+    """runtime.compile_regions=[decoder]: a forward calls compiled graphs at its decoder's iterations only, one
+    each; without the decoder, the iterations run eagerly (as many graph calls at 12 iterations as at 4) and the
+    encoders' regions are compiled. Each part alone is a shorter compile (docs/performance.md)."""
+    torch._dynamo.reset()
+    net = build_backbone().eval()
+    regions = ",".join(parts)
+    settings = config("runtime.compile=true", "runtime.compile_backend=call_recording_eager",
+                      f"runtime.compile_regions=[{regions}]").runtime
+    compile_network(net, settings)
+    graph_calls(net, 2)  # compiles
+    calls_4, calls_12 = graph_calls(net, 4), graph_calls(net, 12)
+    if parts == ["decoder"]:
+        assert (len(calls_4), len(calls_12)) == (4, 12)
+    else:
+        assert len(calls_4) == len(calls_12) > 0
+
+
+def test_a_bad_compile_regions_is_one_error_naming_the_key():
+    for bad in ("[decoder,gru]", "decoder"):
+        settings = config("runtime.compile=true", f"runtime.compile_regions={bad}").runtime
+        with pytest.raises(ValueError, match=r"runtime.compile_regions=.*: expected a list of image_encoders, "):
+            compile_network(build_backbone(), settings)
+
+
 def test_cuda_graphs_graph_the_decoder_iteration_alone():
     """Inductor's modes with CUDA graphs graph the decoder's iteration only: the other regions get the mode's
     other options (graphed regions feeding each other fail under torch's CUDA graph trees)."""
@@ -431,7 +457,8 @@ def test_bench_reports_the_compile_time_of_each_row(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     (row,) = report["rows"]
     assert row["status"] == "ok" and row["compile_s"] > 0  # dynamo traced the stages in the first step
-    assert report["setup"]["compile"] == "eager (default)" and report["setup"]["matmul_precision"] == "high"
+    assert report["setup"]["compile"] == "eager (default) of image_encoders, cost_encoder, decoder"
+    assert report["setup"]["matmul_precision"] == "high"
     header, _, line = (tmp_path / "bench.md").read_text().splitlines()
     assert "| seconds per step | pairs per second | compile s |" in header and line.count("|") == header.count("|")
     with pytest.raises(ValueError, match="runtime.compile=true needs bench.warmup >= 1"):
