@@ -532,6 +532,10 @@ class MemoryDecoder(RecurrentRefinement):
         return self.refine(source, context, iters, flow_init, query_chunk, upsample_all, activation_budget)
 
     def correlation(self, source: tuple[tuple[Tensor, Tensor], CostVolume], coords1: Tensor) -> Tensor:
-        """The cost query and the 9x9 cost crop at coords1 -> [B, Q + heads*81, H1, W1]."""
+        """The cost query and the 9x9 cost crop at coords1 -> [B, Q + heads*81, H1, W1]. Under autocast the crop
+        (sampled in fp32) joins the query's output in its dtype: the update block's first convolution reads that
+        dtype, so the two are cast once, not the query's output to fp32 and the whole back (the same values)."""
         cost_global, crop = self.query(*source, coords1)
+        if crop.dtype != cost_global.dtype:
+            crop = crop.to(cost_global.dtype)
         return torch.cat([cost_global, crop], dim=1)

@@ -40,8 +40,9 @@ from helpers.dispatch import CAST, HOST_TENSOR, Dispatched
 FORWARD_OPERATORS_PER_DECODER_ITERATION = 104  # inference (bench.mode=forward); 128 before issue 35
 TRAINING_OPERATORS_PER_DECODER_ITERATION = 146  # the training forward; 188 before issue 35
 # inference under bf16-mixed autocast: 158 when inference_mode made autocast cast every weight at every call,
-# 147 while every iteration cast GMA's attention map to bf16 and the flow update to fp32
-BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 128
+# 147 while every iteration cast GMA's attention map to bf16 and the flow update to fp32, 128 while the cost
+# query's output was cast to fp32 to join the cost crop and the two cast back to bf16 for the update block
+BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 127
 # forward, sequence loss, backward, clipping, AdamW (its foreach kernel on the CPU); 4657 before issue 35; the cost
 # patch embedding channels-last on the CPU (cost_encoder.PatchEmbed: 2505 before): its copy and its backward's;
 # 2511 since its one-head input is a channels-last view (a view and a permute, and a permute in backward)
