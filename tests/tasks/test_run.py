@@ -126,6 +126,17 @@ def test_progress_bar_switch_drops_the_rich_bar(bar):
     L.Trainer(enable_progress_bar=bar, callbacks=callbacks, logger=False)  # refused before the fix
 
 
+def test_the_training_progress_bar_redraws_ten_times_a_second():
+    """The run's Rich bar as Lightning starts it: its display refreshed at most 10 times a second (Lightning's
+    default, 100, wakes a thread every 10 ms that takes the interpreter from the training loop)."""
+    [bar] = [c for c in build_callbacks(compose_run_config([])) if isinstance(c, RichProgressBar)]
+    bar._init_progress(L.Trainer(callbacks=[bar], logger=False))
+    try:
+        assert bar.progress.live.refresh_per_second == 10
+    finally:
+        bar.progress.stop()
+
+
 def test_twins_from_random_weights_in_a_fresh_run_is_one_warning(caplog):
     cfg = compose_run_config(["experiment=chairs"])  # FlowFormer's stage 1: ImageNet Twins
     settings = {
