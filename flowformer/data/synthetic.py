@@ -27,7 +27,6 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -370,28 +369,6 @@ class _SceneSource:
 
     def _meta(self, index: int) -> dict[str, int | str]:
         return {"dataset": self.dataset_name, "seed": self.seed, "index": int(index) % self.num_samples}
-
-    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
-        """The items of one batch, as a DataLoader asks for them: ``[self[item] for item in items]``, bit for
-        bit, rendered on as many threads as torch has intra-op threads (this one and a pool of the others),
-        each item's ops on one thread; they release the GIL. Each item is too small for torch to split an op
-        between threads, so on a 2-core CPU one core would otherwise idle while a training process renders its
-        batch. In a DataLoader worker (one intra-op thread) the items are rendered one after the other.
-        Subclasses with an ``__getitem__`` of their own (photograph textures and their augmentation,
-        image_folder.py: state shared between items) get their items one at a time."""
-        threads = min(torch.get_num_threads(), len(items))
-        own_items = (SyntheticFlowDataset.__getitem__, SyntheticVideoDataset.__getitem__)
-        if threads < 2 or type(self).__getitem__ not in own_items:
-            return [self[item] for item in items]
-
-        def render(chunk: list[int | SampleKey]) -> list[dict[str, object]]:
-            return [self[item] for item in chunk]
-
-        chunks = [items[start::threads] for start in range(threads)]
-        with _single_threaded(), ThreadPoolExecutor(threads - 1) as pool:
-            others = [pool.submit(render, chunk) for chunk in chunks[1:]]
-            rendered = [render(chunks[0]), *(future.result() for future in others)]
-        return [rendered[position % threads][position // threads] for position in range(len(items))]
 
 
 class SyntheticFlowDataset(_SceneSource, Dataset):
