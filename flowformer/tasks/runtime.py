@@ -163,7 +163,7 @@ def configure_runtime(settings: DictConfig) -> None:
 COMPILED_PARTS = ("image_encoders", "cost_encoder", "decoder")
 
 
-def compile_regions(net: FlowFormer, parts: tuple[str, ...] | list[str] = COMPILED_PARTS) -> list[nn.Module]:
+def compile_regions(net: FlowFormer, parts: tuple[str, ...]) -> list[nn.Module]:
     """The modules `compile_network` compiles of `parts` (of COMPILED_PARTS) besides the decoder's refinement
     iteration, each a region that runs many times with the same shapes: the image encoders (a Twins encoder by
     its transformer blocks; once per forward), the cost encoder's patch embedding and latent summary (once per
