@@ -472,10 +472,9 @@ class CostPerceiverEncoder(CostEncoder):
         cost = as_cost_volume(cost)
         chunk = min(self.tokenize_chunk or cost.num_rows, cost.block_rows)
         pieces = []
-        for start in range(0, cost.num_rows, chunk):
-            part = slice(start, min(start + chunk, cost.num_rows))
+        for part, maps in cost.row_blocks(chunk):
             args = (
-                cost.maps(part),
+                maps,
                 None if token_mask is None else token_mask.removed[part],
                 None if token_mask is None else token_mask.ids_keep[part],
             )

@@ -319,6 +319,38 @@ def test_chunked_and_checkpointed_tokenization_is_equivalent(masked: bool) -> No
         build(tokenize_chunk=0)
 
 
+class _WholeVolumeWrites(TorchDispatchMode):
+    """Counts the operators whose output has `shape`."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += isinstance(out, torch.Tensor) and out.shape == self.shape
+        return out
+
+
+def test_the_gradient_of_cost_maps_tokenized_in_blocks_is_written_once() -> None:
+    """The backward of a tokenization in blocks writes no more volume-sized tensors than that of all maps at
+    once (the blocks' gradients joined; a slice's backward is the whole volume, zero outside the slice: 56 for
+    28 slices), and gives the same gradient."""
+    heads, h1, w1 = 1, H // 8, W // 8
+    maps = torch.randn(2 * h1 * w1, heads, h1, w1, generator=torch.Generator().manual_seed(5))  # 2 images
+    writes, gradients = [], []
+    for chunk in (None, 7):  # 192 rows: 28 blocks of 7 (the last of 3)
+        encoder = build(tokenize_chunk=chunk).train().cost_encoder
+        cost = maps.clone().requires_grad_()
+        loss = encoder.tokenize(cost).square().mean()
+        with _WholeVolumeWrites(cost.shape) as counter:
+            loss.backward()
+        writes.append(counter.count)
+        gradients.append(cost.grad)
+    assert writes[1] <= writes[0], f"volume-sized tensors in the backward: {writes[0]} at once, {writes[1]} in blocks"
+    assert torch.allclose(gradients[0], gradients[1], rtol=1e-5, atol=1e-9)
+
+
 @pytest.mark.parametrize(
     "knobs", [{"cost_heads": 2}, {"agt_depth": 2, "num_latent_tokens": 2}, {"context_proj_dim": 0}]
 )
