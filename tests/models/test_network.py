@@ -196,6 +196,36 @@ def test_gru_casts_its_input_once_under_autocast() -> None:
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0.05)
 
 
+def test_a_bf16_training_forward_keeps_one_cast_of_the_motion_attention_with_the_gradient_of_a_cast_per_reader():
+    """Under bf16 autocast a training forward casts GMA's fp32 attention map to bf16 once: autograd keeps that one
+    copy for every iteration's backward, not one per iteration. Each reader's gradient is cast back to fp32
+    before the readers' gradients are summed, so the map's gradient is bitwise that of a cast per reader."""
+    from flowformer.models.decoder import CastOnceAttention
+
+    net = build().train()
+    hw = (H // 8) * (W // 8)
+    saved_maps = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.shape[-2:] == (hw, hw) and tensor.dtype == torch.bfloat16:
+            saved_maps.append(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), torch.autocast("cpu", torch.bfloat16):
+        net(*images(), iters=3)
+    assert len(saved_maps) == 3 and len(set(saved_maps)) == 1, "one bf16 map kept for the 3 iterations"
+
+    fp32_map = torch.rand(1, 1, hw, hw, generator=torch.Generator().manual_seed(0)).softmax(dim=-1).requires_grad_()
+    values = [torch.randn(1, 1, hw, 8, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(3)]
+    shared = CastOnceAttention(fp32_map, torch.bfloat16)
+    outputs = [shared.apply(v) for v in values]
+    (once,) = torch.autograd.grad(sum(out.float().square().sum() for out in outputs), fp32_map)
+    expected_outputs = [fp32_map.to(torch.bfloat16) @ v for v in values]
+    (each,) = torch.autograd.grad(sum(out.float().square().sum() for out in expected_outputs), fp32_map)
+    assert all(torch.equal(out, expected) for out, expected in zip(outputs, expected_outputs, strict=True))
+    assert once.dtype == torch.float32 and torch.equal(once, each)
+
+
 def test_sample_cost_window_is_x_major() -> None:
     """The official x-major order, channel (dx+r)*(2r+1) + (dy+r); integer centres sample the map exactly."""
     h1, w1 = 5, 6
