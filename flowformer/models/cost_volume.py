@@ -57,11 +57,14 @@ class CostVolume:
         """Cost maps of the source pixels in `rows` -> [n, heads, H2, W2] (fp32)."""
         raise NotImplementedError
 
-    def row_blocks(self, rows_per_block: int) -> Iterator[tuple[slice, Tensor]]:
-        """(rows, their maps [n, heads, H2, W2]) for every block of at most rows_per_block consecutive rows, in
-        order: the whole volume, a block at a time."""
+    def row_slices(self, rows_per_block: int) -> Iterator[slice]:
+        """The volume's rows in order, in blocks of at most rows_per_block consecutive rows."""
         for start in range(0, self.num_rows, rows_per_block):
-            rows = slice(start, min(start + rows_per_block, self.num_rows))
+            yield slice(start, min(start + rows_per_block, self.num_rows))
+
+    def row_blocks(self, rows_per_block: int) -> Iterator[tuple[slice, Tensor]]:
+        """(rows, their maps [n, heads, H2, W2]) for each of `row_slices`: the whole volume, a block at a time."""
+        for rows in self.row_slices(rows_per_block):
             yield rows, self.maps(rows)
 
     def window(self, coords: Tensor, radius: int) -> Tensor:
@@ -99,9 +102,7 @@ class DenseCostVolume(CostVolume):
         # gradients. Each slice's backward writes a gradient the size of the whole volume, zero outside its
         # block, and autograd adds those up: for 45 blocks (368x496, batch 8, tokenize_chunk 512) 45 volumes of
         # 248 MiB written and summed where one suffices.
-        blocks = self.cost_maps.split(rows_per_block)
-        for start, block in zip(range(0, self.num_rows, rows_per_block), blocks, strict=True):
-            yield slice(start, start + len(block)), block
+        yield from zip(self.row_slices(rows_per_block), self.cost_maps.split(rows_per_block), strict=True)
 
     def window(self, coords: Tensor, radius: int) -> Tensor:
         return sample_cost_window(self.cost_maps, coords, radius, self.window_offsets(radius, coords.device))
@@ -190,8 +191,7 @@ class FeatureCostVolume(CostVolume):
         # fragmented the CPU heap (3.5 GiB at 1080x1920)
         out = torch.empty(self.num_rows, self.heads, side, side, device=coords.device)
         with torch.autocast(device_type=coords.device.type, enabled=False):
-            for start in range(0, self.num_rows, self.block_rows):
-                rows = slice(start, min(start + self.block_rows, self.num_rows))
+            for rows in self.row_slices(self.block_rows):
                 out[rows] = recomputed_in_backward(recompute, window_block, rows, points[rows])
         # [B*H1*W1, heads, side, side] -> [B, heads*side², H1, W1]
         return out.view(batch, h1, w1, -1).permute(0, 3, 1, 2)

@@ -176,11 +176,12 @@ def compile_regions(net: FlowFormer, parts: tuple[str, ...]) -> list[nn.Module]:
         for encoder in [*net.feature_encoder_modules(), *net.context_encoder_modules()]:
             twins = isinstance(encoder, TwinsEncoder)
             regions += [block for stage in encoder.svt.blocks for block in stage] if twins else [encoder]
-    if "cost_encoder" in parts and isinstance(cost_encoder, CostPerceiverEncoder):
-        regions += [cost_encoder.patch_embed, cost_encoder.input_layer]
-        regions += [*cost_encoder.encoder_layers, *cost_encoder.vertical_encoder_layers]
-    elif "cost_encoder" in parts and cost_encoder is not None:
-        regions.append(cost_encoder)
+    if "cost_encoder" in parts:
+        if isinstance(cost_encoder, CostPerceiverEncoder):
+            regions += [cost_encoder.patch_embed, cost_encoder.input_layer]
+            regions += [*cost_encoder.encoder_layers, *cost_encoder.vertical_encoder_layers]
+        elif cost_encoder is not None:
+            regions.append(cost_encoder)
     if "decoder" in parts and isinstance(decoder, MemoryDecoder):
         regions += [decoder.flow_token_encoder, decoder.decoder_layer.cross_attend]
     return regions

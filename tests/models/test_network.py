@@ -137,11 +137,13 @@ def official_gru(gru, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class CountOperators(TorchDispatchMode):
-    """The operators dispatched while active, and for each convolution whether its input is channels-last."""
+    """The operators dispatched while active, the shapes of their tensor outputs, and for each convolution whether
+    its input is channels-last."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list = []
+        self.output_shapes: list[torch.Size] = []
         self.convolutions_channels_last: list[bool] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -149,7 +151,10 @@ class CountOperators(TorchDispatchMode):
         if func is torch.ops.aten.convolution.default:
             x = args[0]  # channels innermost too: a one-channel NCHW tensor is contiguous as channels-last
             self.convolutions_channels_last.append(x.is_contiguous(memory_format=torch.channels_last) and x.stride(1) == 1)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.output_shapes.append(out.shape)
+        return out
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
@@ -349,19 +354,6 @@ def test_chunked_and_checkpointed_tokenization_is_equivalent(masked: bool) -> No
         build(tokenize_chunk=0)
 
 
-class _WholeVolumeWrites(TorchDispatchMode):
-    """Counts the operators whose output has `shape`."""
-
-    def __init__(self, shape: torch.Size) -> None:
-        super().__init__()
-        self.shape, self.count = shape, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.count += isinstance(out, torch.Tensor) and out.shape == self.shape
-        return out
-
-
 def test_the_gradient_of_cost_maps_tokenized_in_blocks_is_written_once() -> None:
     """The backward of a tokenization in blocks writes no more volume-sized tensors than that of all maps at
     once (the blocks' gradients joined; a slice's backward is the whole volume, zero outside the slice: 56 for
@@ -373,9 +365,9 @@ def test_the_gradient_of_cost_maps_tokenized_in_blocks_is_written_once() -> None
         encoder = build(tokenize_chunk=chunk).train().cost_encoder
         cost = maps.clone().requires_grad_()
         loss = encoder.tokenize(cost).square().mean()
-        with _WholeVolumeWrites(cost.shape) as counter:
+        with CountOperators() as operators:
             loss.backward()
-        writes.append(counter.count)
+        writes.append(operators.output_shapes.count(cost.shape))
         gradients.append(cost.grad)
     assert writes[1] <= writes[0], f"volume-sized tensors in the backward: {writes[0]} at once, {writes[1]} in blocks"
     assert torch.allclose(gradients[0], gradients[1], rtol=1e-5, atol=1e-9)
