@@ -360,6 +360,13 @@ class _FromPhotographs:
         self.augmentor = augmentor
         self._rng = WorkerRNG()
 
+    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
+        """The scenes' pairs or clips' frames (rendered together), each augmented with its item's draw."""
+        samples = super().__getitems__(items)  # type: ignore[misc]  # the synthetic dataset mixed in
+        if self.augmentor is None:
+            return samples
+        return [self._augmented(item, sample) for item, sample in zip(items, samples)]
+
     def describe(self) -> str:
         height, width = self.size
         scenes = f"{len(self)} scenes at {height}x{width}"
@@ -377,10 +384,7 @@ class ImageFolderFlowDataset(_FromPhotographs, SyntheticFlowDataset):
 
     augmentor_type = FlowAugmentor
 
-    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
-        sample = super().__getitem__(item)
-        if self.augmentor is None:
-            return sample
+    def _augmented(self, item: int | SampleKey, sample: dict[str, object]) -> dict[str, object]:
         _, rng = unpack_item(item, self._rng)
         flow = sample["flow"].permute(1, 2, 0).numpy()  # [H, W, 2]
         img1, img2, flow = self.augmentor(_to_hwc(sample["img1"]), _to_hwc(sample["img2"]), flow, rng)
@@ -400,10 +404,7 @@ class ImageFolderVideoDataset(_FromPhotographs, SyntheticVideoDataset):
 
     augmentor_type = ImagePairAugmentor
 
-    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
-        sample = super().__getitem__(item)
-        if self.augmentor is None:
-            return sample
+    def _augmented(self, item: int | SampleKey, sample: dict[str, object]) -> dict[str, object]:
         _, rng = unpack_item(item, self._rng)
         img1, img2 = self.augmentor(_to_hwc(sample["img1"]), _to_hwc(sample["img2"]), rng)
         return {"img1": to_chw(img1), "img2": to_chw(img2), "meta": sample["meta"]}

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -49,18 +50,24 @@ TextureSource = Callable[[torch.Generator, int, int, int], torch.Tensor]
 
 @dataclass(frozen=True)
 class _Scene:
-    """All per-layer parameters of one scene (L layers, layer 0 = background). Points are complex x + iy."""
+    """All per-layer parameters of a batch of B scenes of L layers each (layer 0 = background). Points are
+    complex x + iy. :func:`_make_scene` draws one scene (no batch dimension), :meth:`stack` batches them."""
 
-    textures: torch.Tensor  # [L, 3, H, W] colours in 0..255, in layer coordinates (frame-0 pixels)
-    centre: torch.Tensor  # [L] complex: centre of the shape and of the motion
-    velocity: torch.Tensor  # [L] complex: translation between t=0 and t=1, pixels
-    log_similarity: torch.Tensor  # [L] complex: log(scale change) + i * rotation between t=0 and t=1
-    radii: torch.Tensor  # [L, 2] shape half-axes (x, y) in pixels
-    orientation: torch.Tensor  # [L] complex unit number: the shape's orientation
-    exponent: torch.Tensor  # [L] superellipse exponent (1 diamond, 2 ellipse, large -> rectangle)
-    lobes: torch.Tensor  # [L] number of lobes of the outline
-    lobe_amplitude: torch.Tensor  # [L] relative lobe depth (0 = plain superellipse)
-    lobe_phase: torch.Tensor  # [L]
+    textures: torch.Tensor  # [B, L, 3, H, W] colours in 0..255, in layer coordinates (frame-0 pixels)
+    centre: torch.Tensor  # [B, L] complex: centre of the shape and of the motion
+    velocity: torch.Tensor  # [B, L] complex: translation between t=0 and t=1, pixels
+    log_similarity: torch.Tensor  # [B, L] complex: log(scale change) + i * rotation between t=0 and t=1
+    radii: torch.Tensor  # [B, L, 2] shape half-axes (x, y) in pixels
+    orientation: torch.Tensor  # [B, L] complex unit number: the shape's orientation
+    exponent: torch.Tensor  # [B, L] superellipse exponent (1 diamond, 2 ellipse, large -> rectangle)
+    lobes: torch.Tensor  # [B, L] number of lobes of the outline
+    lobe_amplitude: torch.Tensor  # [B, L] relative lobe depth (0 = plain superellipse)
+    lobe_phase: torch.Tensor  # [B, L]
+
+    @staticmethod
+    def stack(scenes: list[_Scene]) -> _Scene:
+        """Scenes of the same size and number of layers, each without a batch dimension -> one batch."""
+        return _Scene(**{f.name: torch.stack([getattr(scene, f.name) for scene in scenes]) for f in fields(_Scene)})
 
 
 def _check_size(size: tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -186,18 +193,48 @@ def _make_scene(
     )
 
 
+def _per_layer(values: torch.Tensor) -> torch.Tensor:
+    """[B, L] per-layer values -> [B, L, 1, 1], to broadcast over a layer's pixels."""
+    return values[..., None, None]
+
+
+def _forward_motion(
+    centre: torch.Tensor, velocity: torch.Tensor, log_similarity: torch.Tensor, t: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_t(u) = offset + u * factor of one scene's layers: complex [L] each -> (offset, factor) [L]."""
+    factor = torch.exp(t * log_similarity)
+    return centre + t * velocity - centre * factor, factor
+
+
+def _inverse_motion(
+    centre: torch.Tensor, velocity: torch.Tensor, log_similarity: torch.Tensor, t: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_t^{-1}(p) = offset + p * factor of one scene's layers: complex [L] each -> (offset, factor) [L]."""
+    factor = torch.exp(-t * log_similarity)
+    return centre - (centre + t * velocity) * factor, factor
+
+
+def _moved(
+    scene: _Scene, motion: Callable[..., tuple[torch.Tensor, torch.Tensor]], points: torch.Tensor, t: float
+) -> torch.Tensor:
+    """Complex points [B or 1, L or 1, H, W] moved by every layer's ``motion`` at time t -> [B, L, H, W].
+
+    The motions' few numbers are computed scene by scene: torch's complex exponential and products round a
+    vector's lanes and its remainder differently, so computed for the batch at once, a scene's flow would depend
+    on its place in the batch (by an ulp)."""
+    offsets, factors = zip(*map(motion, scene.centre, scene.velocity, scene.log_similarity, itertools.repeat(t)))
+    return torch.addcmul(_per_layer(torch.stack(offsets)), points, _per_layer(torch.stack(factors)))
+
+
 def _to_layer(scene: _Scene, points: torch.Tensor, t: float) -> torch.Tensor:
-    """A_t^{-1} for every layer: complex image points [L or 1, H, W] at time t -> layer points [L, H, W]."""
-    inverse = torch.exp(-t * scene.log_similarity)  # [L]
-    offset = scene.centre - (scene.centre + t * scene.velocity) * inverse  # A_t^{-1}(p) = offset + p * inverse
-    return torch.addcmul(offset.view(-1, 1, 1), points, inverse.view(-1, 1, 1))
+    """A_t^{-1} for every layer: complex image points [B or 1, L or 1, H, W] at time t -> layer points
+    [B, L, H, W]."""
+    return _moved(scene, _inverse_motion, points, t)
 
 
 def _to_image(scene: _Scene, points: torch.Tensor, t: float) -> torch.Tensor:
-    """A_t for every layer: complex layer points [L or 1, H, W] -> image points at time t [L, H, W]."""
-    forward = torch.exp(t * scene.log_similarity)  # [L]
-    offset = scene.centre + t * scene.velocity - scene.centre * forward  # A_t(u) = offset + u * forward
-    return torch.addcmul(offset.view(-1, 1, 1), points, forward.view(-1, 1, 1))
+    """A_t for every layer: complex layer points [B or 1, L or 1, H, W] -> image points at time t [B, L, H, W]."""
+    return _moved(scene, _forward_motion, points, t)
 
 
 def _power(base: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
@@ -207,27 +244,28 @@ def _power(base: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
 
 
 def _inside_shapes(scene: _Scene, layer_points: torch.Tensor) -> torch.Tensor:
-    """Membership of complex layer points [L, H, W] in the foreground layers' shapes -> bool [L-1, H, W] (the
-    background, layer 0, has no shape: it is everywhere)."""
-    fg = slice(1, None)
+    """Membership of complex layer points [B, L, H, W] in the foreground layers' shapes -> bool [B, L-1, H, W]
+    (the background, layer 0, has no shape: it is everywhere)."""
+    fg = (slice(None), slice(1, None))
     # the shape's frame: its centre at 0, its axes along x and y
-    local = (layer_points[fg] - scene.centre[fg].view(-1, 1, 1)) * scene.orientation[fg].conj().view(-1, 1, 1)
+    local = (layer_points[fg] - _per_layer(scene.centre[fg])) * _per_layer(scene.orientation[fg].conj())
     # dense real and imaginary parts: atan2 of those is ~4x faster on CPU than torch.angle(local), same values
-    x, y = torch.view_as_real(local).permute(3, 0, 1, 2).contiguous()
-    lobe = torch.atan2(y, x).mul_(scene.lobes[fg].view(-1, 1, 1)).add_(scene.lobe_phase[fg].view(-1, 1, 1)).sin_()
-    n = scene.exponent[fg].view(-1, 1, 1)
-    rx, ry = scene.radii[fg, 0].view(-1, 1, 1), scene.radii[fg, 1].view(-1, 1, 1)
+    x, y = torch.view_as_real(local).movedim(-1, 0).contiguous()
+    lobe = torch.atan2(y, x).mul_(_per_layer(scene.lobes[fg])).add_(_per_layer(scene.lobe_phase[fg])).sin_()
+    n = _per_layer(scene.exponent[fg])
+    rx, ry = _per_layer(scene.radii[fg][..., 0]), _per_layer(scene.radii[fg][..., 1])
     rho = _power(_power(x.abs_().div_(rx), n) + _power(y.abs_().div_(ry), n), 1.0 / n)
-    return rho < lobe.mul_(scene.lobe_amplitude[fg].view(-1, 1, 1)).add_(1.0)
+    return rho < lobe.mul_(_per_layer(scene.lobe_amplitude[fg])).add_(1.0)
 
 
 def _front_layer(inside_shapes: torch.Tensor) -> torch.Tensor:
-    """Index of the front-most layer containing each pixel: bool [L-1, H, W] of the foreground layers' shapes
-    -> long [H, W], 0 (the background) where no shape is."""
-    if not len(inside_shapes):
-        return torch.zeros(inside_shapes.shape[1:], dtype=torch.long)
-    order = torch.arange(1, len(inside_shapes) + 1).view(-1, 1, 1)
-    return torch.where(inside_shapes, order, 0).amax(dim=0)
+    """Index of the front-most layer containing each pixel: bool [B, L-1, H, W] of the foreground layers'
+    shapes -> long [B, H, W], 0 (the background) where no shape is."""
+    batch, foreground, height, width = inside_shapes.shape
+    if not foreground:
+        return torch.zeros(batch, height, width, dtype=torch.long)
+    order = torch.arange(1, foreground + 1).view(-1, 1, 1)
+    return torch.where(inside_shapes, order, 0).amax(dim=1)
 
 
 def _reflect(coordinate: torch.Tensor, size: int) -> torch.Tensor:
@@ -239,52 +277,53 @@ def _reflect(coordinate: torch.Tensor, size: int) -> torch.Tensor:
 
 def _sample_front(scene: _Scene, layer_points: torch.Tensor, front: torch.Tensor) -> torch.Tensor:
     """Each pixel's colour: a bilinear lookup in its front layer's texture at its point on that layer.
-    Complex layer points [L, H, W] and front layer ids [H, W] -> colours [3, H, W].
+    Complex layer points [B, L, H, W] and front layer ids [B, H, W] -> colours [B, 3, H, W].
 
     Reflection padding keeps each texture a continuous function of the whole plane, so points that move in
     from outside the frame are still well defined and consistent between frames. One lookup per pixel: the
     layers' textures are stacked vertically, each point reflected into its own layer's rows (a bilinear tap
     past a layer's last row has weight 0).
     """
-    layers, _, height, width = scene.textures.shape
-    points = torch.view_as_real(layer_points).gather(0, front[None, :, :, None].expand(1, -1, -1, 2))  # [1, H, W, 2]
-    x = _reflect(points[0, ..., 0], width)  # [H, W] pixels in the front layer's texture
-    y = _reflect(points[0, ..., 1], height).add_(front, alpha=height)  # [H, W] rows of the stacked textures
+    batch, layers, _, height, width = scene.textures.shape
+    points = torch.view_as_real(layer_points).gather(1, front[:, None, :, :, None].expand(-1, 1, -1, -1, 2))
+    x = _reflect(points[:, 0, ..., 0], width)  # [B, H, W] pixels in the front layer's texture
+    y = _reflect(points[:, 0, ..., 1], height).add_(front, alpha=height)  # [B, H, W] rows of the stacked textures
     # pixel centres -> [-1, 1], corners off
     grid = torch.stack([x.add_(0.5).mul_(2 / width).sub_(1), y.add_(0.5).mul_(2 / (layers * height)).sub_(1)], -1)
-    stacked = scene.textures.transpose(0, 1).reshape(1, 3, layers * height, width)
-    return F.grid_sample(stacked, grid[None], mode="bilinear", padding_mode="border", align_corners=False)[0]
+    stacked = scene.textures.transpose(1, 2).reshape(batch, 3, layers * height, width)
+    return F.grid_sample(stacked, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 @functools.lru_cache(maxsize=8)
 def _pixel_grid(height: int, width: int) -> torch.Tensor:
-    """Complex pixel coordinates x + iy -> [1, H, W] (cached: read only)."""
+    """Complex pixel coordinates x + iy -> [1, 1, H, W] (cached: read only)."""
     ys = torch.arange(height, dtype=torch.float32).view(height, 1)
     xs = torch.arange(width, dtype=torch.float32).view(1, width)
-    return torch.complex(xs.expand(height, width), ys.expand(height, width)).unsqueeze(0)
+    return torch.complex(xs.expand(height, width), ys.expand(height, width))[None, None]
 
 
 def _render(scene: _Scene, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frame at time t -> (float32 [3, H, W] in 0..255 rounded to 8-bit levels, front layer ids [H, W])."""
+    """Frames at time t -> (float32 [B, 3, H, W] in 0..255 rounded to 8-bit levels, front layer ids [B, H, W])."""
     height, width = scene.textures.shape[-2:]
-    layer_points = _to_layer(scene, _pixel_grid(height, width), t)  # [L, H, W]
-    front = _front_layer(_inside_shapes(scene, layer_points))  # [H, W]
-    frame = _sample_front(scene, layer_points, front)  # [3, H, W]
+    layer_points = _to_layer(scene, _pixel_grid(height, width), t)  # [B, L, H, W]
+    front = _front_layer(_inside_shapes(scene, layer_points))  # [B, H, W]
+    frame = _sample_front(scene, layer_points, front)  # [B, 3, H, W]
     return frame.round_().clamp_(0.0, 255.0), front
 
 
 def _flow_and_masks(scene: _Scene, front: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact flow t=0 -> t=1 given frame 0's front layers [H, W] -> (flow [2, H, W], valid, occlusion [H, W])."""
-    height, width = front.shape
-    pixels = _pixel_grid(height, width)  # [1, H, W]; at t=0 layer points are the pixels themselves
-    target = _to_image(scene, pixels, 1.0).gather(0, front.unsqueeze(0)).squeeze(0)  # [H, W] complex
-    flow = torch.view_as_real(target - pixels[0]).permute(2, 0, 1).contiguous()  # [2, H, W]
+    """Exact flow t=0 -> t=1 given frame 0's front layers [B, H, W] -> (flow [B, 2, H, W], valid, occlusion
+    [B, H, W])."""
+    height, width = front.shape[-2:]
+    pixels = _pixel_grid(height, width)  # [1, 1, H, W]; at t=0 layer points are the pixels themselves
+    target = _to_image(scene, pixels, 1.0).gather(1, front.unsqueeze(1))  # [B, 1, H, W] complex
+    flow = torch.view_as_real(target[:, 0] - pixels[0]).permute(0, 3, 1, 2).contiguous()  # [B, 2, H, W]
     in_image = (
         (target.real >= 0) & (target.real <= width - 1) & (target.imag >= 0) & (target.imag <= height - 1)
-    )
-    valid = torch.isfinite(flow).all(dim=0) & in_image
+    )[:, 0]
+    valid = torch.isfinite(flow).all(dim=1) & in_image
     # The surface is occluded when another layer is in front at the (continuous) target point at t=1.
-    front_at_target = _front_layer(_inside_shapes(scene, _to_layer(scene, target.unsqueeze(0), 1.0)))
+    front_at_target = _front_layer(_inside_shapes(scene, _to_layer(scene, target, 1.0)))
     occlusion = (front_at_target != front) | ~in_image
     return flow, valid.float(), occlusion.float()
 
@@ -367,6 +406,15 @@ class _SceneSource:
             background_motion=self.background_motion,
         )
 
+    def _scenes(self, indices: list[int]) -> _Scene:
+        """The scenes of samples ``indices``, drawn one after the other on one intra-op thread (their random
+        streams are each sample's own), as one batch."""
+        with _single_threaded():
+            return _Scene.stack([self._scene(index) for index in indices])
+
+    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
+        return self.__getitems__([item])[0]  # type: ignore[attr-defined]  # each dataset's own batch
+
     def _meta(self, index: int) -> dict[str, int | str]:
         return {"dataset": self.dataset_name, "seed": self.seed, "index": int(index) % self.num_samples}
 
@@ -379,21 +427,24 @@ class SyntheticFlowDataset(_SceneSource, Dataset):
     ``num_layers``, ``max_translation``, ``max_rotation``, ``max_scale_change``, ``background_motion``).
     """
 
-    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
-        index = item_index(item)  # scenes are a function of (seed, index): a draw's seed is not needed
-        with _single_threaded():
-            scene = self._scene(index)
-            img1, front = _render(scene, 0.0)
-            img2, _ = _render(scene, 1.0)
-            flow, valid, occlusion = _flow_and_masks(scene, front)
-        return {
-            "img1": img1,
-            "img2": img2,
-            "flow": flow,
-            "valid": valid,
-            "occlusion": occlusion,
-            "meta": self._meta(index),
-        }
+    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
+        """A batch's pairs (a DataLoader's fetch), rendered together: each pair is that of its item alone."""
+        indices = [item_index(item) for item in items]  # scenes are a function of (seed, index)
+        scenes = self._scenes(indices)
+        img1, front = _render(scenes, 0.0)
+        img2, _ = _render(scenes, 1.0)
+        flow, valid, occlusion = _flow_and_masks(scenes, front)
+        return [
+            {
+                "img1": img1[b],
+                "img2": img2[b],
+                "flow": flow[b],
+                "valid": valid[b],
+                "occlusion": occlusion[b],
+                "meta": self._meta(index),
+            }
+            for b, index in enumerate(indices)
+        ]
 
 
 class SyntheticVideoDataset(_SceneSource, Dataset):
@@ -423,14 +474,13 @@ class SyntheticVideoDataset(_SceneSource, Dataset):
 
     def clip(self, index: int) -> torch.Tensor:
         """All frames of clip ``index`` -> float32 [T, 3, H, W] in 0..255."""
-        with _single_threaded():
-            scene = self._scene(index)
-            return torch.stack([_render(scene, t)[0] for t in self._times()])
+        scene = self._scenes([index])
+        return torch.cat([_render(scene, t)[0] for t in self._times()])
 
-    def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
-        index = item_index(item)  # scenes are a function of (seed, index): a draw's seed is not needed
-        with _single_threaded():
-            scene = self._scene(index)
-            img1, _ = _render(scene, 0.0)
-            img2, _ = _render(scene, self._times()[self.frame_gap])
-        return {"img1": img1, "img2": img2, "meta": self._meta(index)}
+    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
+        """A batch's pairs (a DataLoader's fetch), rendered together: each pair is that of its item alone."""
+        indices = [item_index(item) for item in items]  # scenes are a function of (seed, index)
+        scenes = self._scenes(indices)
+        img1, _ = _render(scenes, 0.0)
+        img2, _ = _render(scenes, self._times()[self.frame_gap])
+        return [{"img1": img1[b], "img2": img2[b], "meta": self._meta(index)} for b, index in enumerate(indices)]

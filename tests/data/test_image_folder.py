@@ -13,6 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from torch.utils.data import DataLoader
 
 from flowformer.data.datamodules import FlowDataModule, PretrainDataModule
 from flowformer.data.image_folder import (
@@ -23,7 +24,7 @@ from flowformer.data.image_folder import (
 )
 from flowformer.data.io import read_image
 from flowformer.data.sampling import SampleKey
-from flowformer.data.transforms import FlowAugmentor
+from flowformer.data.transforms import FlowAugmentor, ImagePairAugmentor
 from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config
@@ -237,6 +238,18 @@ def test_deterministic_resumable_and_augmented(photos: Path) -> None:
     for key in ("img1", "img2", "flow"):
         assert torch.equal(first[key], repeat[key])
     assert not torch.equal(first["img1"], dataset[SampleKey(2, 78)]["img1"])  # another draw, another crop
+    keys = [SampleKey(2, 77), SampleKey(0, 5), SampleKey(2, 78)]
+    batch = next(iter(DataLoader(dataset, batch_size=3, sampler=keys)))  # rendered together, each augmented
+    for position, key in enumerate(keys):
+        alone = dataset[key]
+        assert all(torch.equal(batch[name][position], alone[name]) for name in ("img1", "img2", "flow", "valid"))
+    clips = ImageFolderVideoDataset(
+        root=photos, num_samples=4, size=SIZE, seed=5, augmentor=ImagePairAugmentor(crop_size=[40, 56])
+    )
+    batch = next(iter(DataLoader(clips, batch_size=2, sampler=keys[:2])))
+    assert batch["img1"].shape == (2, 3, 40, 56)
+    for position, key in enumerate(keys[:2]):
+        assert torch.equal(batch["img2"][position], clips[key]["img2"])
     seed5, seed0 = (ImageFolderFlowDataset(root=photos, num_samples=4, size=SIZE, seed=s) for s in (5, 0))
     assert not torch.equal(seed5[2]["img1"], seed0[2]["img1"])
     with pytest.raises(TypeError, match="augmentor must be ImagePairAugmentor or null, got FlowAugmentor"):

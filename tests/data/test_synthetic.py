@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from flowformer.data.synthetic import (
@@ -112,16 +113,27 @@ def test_batches_through_a_dataloader() -> None:
     assert batch["meta"]["index"].tolist() == [0, 1]
 
 
-def test_a_loader_renders_its_batch_in_its_own_thread_on_one_torch_thread() -> None:
-    """A DataLoader without workers renders its batch's pairs in the loading thread, one after the other, each on
-    one intra-op thread (its operators are too small to share: torch's threads, or a second Python thread
-    rendering beside it, made a batch slower, docs/performance.md), and leaves torch's thread count as it was;
-    each pair bitwise the pair of `dataset[index]`."""
-    dataset = SyntheticFlowDataset(num_samples=100, size=SIZE, seed=3)
-    rendering = set()
+class CountOperators(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("size", [SIZE, (37, 53)])
+def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(size: tuple[int, int]) -> None:
+    """A DataLoader's batch is rendered at once (one call of the dataset's __getitems__, in the loading thread):
+    the scenes drawn one after the other on one intra-op thread, then rendered together on the process's
+    threads, which are left as they were. Each pair is bitwise the pair of `dataset[index]`, also at a size whose
+    pixels are not a multiple of the CPU's vector width and on two threads."""
+    dataset = SyntheticFlowDataset(num_samples=100, size=size, seed=3)
+    drawing = set()
 
     def procedural_recording_its_thread(gen, layers, height, width):
-        rendering.add((threading.get_ident(), torch.get_num_threads()))
+        drawing.add((threading.get_ident(), torch.get_num_threads()))
         return procedural_textures(gen, layers, height, width)
 
     dataset.textures = procedural_recording_its_thread
@@ -129,16 +141,29 @@ def test_a_loader_renders_its_batch_in_its_own_thread_on_one_torch_thread() -> N
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        batch = next(iter(DataLoader(dataset, batch_size=8, sampler=indices)))
+        with CountOperators() as batch_operators:
+            batch = next(iter(DataLoader(dataset, batch_size=8, sampler=indices)))
         assert torch.get_num_threads() == 2
+        with CountOperators() as pair_operators:
+            dataset[0]
     finally:
         torch.set_num_threads(previous)
-    assert rendering == {(threading.get_ident(), 1)}
+    assert drawing == {(threading.get_ident(), 1)}
+    # the scenes' drawing is per pair; the rendering's operators are the batch's, not 8 times a pair's
+    assert batch_operators.count < 4 * pair_operators.count, (batch_operators.count, pair_operators.count)
     for position, index in enumerate(indices):
         alone = dataset[index]
         for key in ("img1", "img2", "flow", "valid", "occlusion"):
             assert torch.equal(batch[key][position], alone[key])
     assert batch["meta"]["index"].tolist() == indices
+
+
+def test_a_batch_of_clip_pairs_is_each_clip_alone() -> None:
+    video = SyntheticVideoDataset(num_samples=10, size=(37, 53), seed=4, num_frames=4, frame_gap=2)
+    batch = next(iter(DataLoader(video, batch_size=3, sampler=[7, 2, 5])))
+    for position, index in enumerate([7, 2, 5]):
+        clip = video.clip(index)
+        assert torch.equal(batch["img1"][position], clip[0]) and torch.equal(batch["img2"][position], clip[2])
 
 
 def test_one_lookup_per_pixel_equals_every_layers_reflected_lookup() -> None:
@@ -155,7 +180,7 @@ def test_one_lookup_per_pixel_equals_every_layers_reflected_lookup() -> None:
     points = torch.complex(x, y)  # [L, 16, 24] layer points
     front = torch.randint(0, layers, (16, 24), generator=gen)
 
-    colours = _sample_front(SimpleNamespace(textures=textures), points, front)
+    colours = _sample_front(SimpleNamespace(textures=textures[None]), points[None], front[None])[0]
 
     size = torch.tensor([width, height], dtype=torch.float32)
     grid = (torch.view_as_real(points) + 0.5) / size * 2 - 1
@@ -173,13 +198,14 @@ def test_shape_powers_by_logarithms_equal_pow() -> None:
 
 
 def test_layer_and_image_motions_are_inverse() -> None:
-    scene = SyntheticFlowDataset(num_samples=1, size=SIZE, seed=5)._scene(0)
+    scenes = SyntheticFlowDataset(num_samples=2, size=SIZE, seed=5)._scenes([0, 1])
     gen = torch.Generator().manual_seed(2)
-    points = torch.complex(torch.rand(1, 8, 8, generator=gen) * 96, torch.rand(1, 8, 8, generator=gen) * 64)
+    points = torch.complex(torch.rand(1, 1, 8, 8, generator=gen) * 96, torch.rand(1, 1, 8, 8, generator=gen) * 64)
     for t in (0.0, 0.5, 1.0):
-        there_and_back = _to_image(scene, _to_layer(scene, points, t), t)  # [L, 8, 8]: every layer's motion
+        there_and_back = _to_image(scenes, _to_layer(scenes, points, t), t)  # [2, L, 8, 8]: every layer's motion
+        assert there_and_back.shape == (2, 5, 8, 8)
         torch.testing.assert_close(there_and_back, points.expand_as(there_and_back), rtol=0, atol=1e-4)
-    assert not torch.allclose(_to_layer(scene, points, 1.0), points.expand(len(scene.centre), -1, -1))
+    assert not torch.allclose(_to_layer(scenes, points, 1.0), points.expand(2, 5, -1, -1))
 
 
 def test_video_clips_are_scenes_of_the_same_kind() -> None:
