@@ -302,11 +302,11 @@ class PhotoTextures:
             return cv2.resize(np.ascontiguousarray(crop), (width, height), interpolation=cv2.INTER_AREA)
         return crop
 
-    def __call__(self, gen: torch.Generator, layers: int, height: int, width: int) -> torch.Tensor:
-        """Textures [layers, 3, H, W] in 0..255, float32."""
-        draws = torch.rand(layers, 5, generator=gen, dtype=torch.float64).numpy()
-        crops = np.stack([self._crop(draw, height, width) for draw in draws])  # [L, H, W, 3] uint8
-        return torch.from_numpy(crops).permute(0, 3, 1, 2).float()
+    def __call__(self, gens: list[torch.Generator], layers: int, height: int, width: int) -> torch.Tensor:
+        """Textures [B, layers, 3, H, W] in 0..255, float32: each scene's crops from five draws a layer."""
+        draws = [torch.rand(layers, 5, generator=gen, dtype=torch.float64).numpy() for gen in gens]
+        crops = np.stack([[self._crop(draw, height, width) for draw in scene] for scene in draws])  # [B, L, H, W, 3]
+        return torch.from_numpy(crops).permute(0, 1, 4, 2, 3).float()
 
     def describe(self) -> str:
         return f"{len(self.files)} {self.split} photographs of {self.root}"

@@ -23,12 +23,11 @@ photographs in ``flowformer/data/image_folder.py``; the scenes, their motion and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,14 +43,15 @@ _REFERENCE_SIZE = (368, 496)  # the official chairs training crop; max_translati
 _COARSEST_CELL = 64  # multi-scale noise: octaves with cells of 64, 32, ... px down to a finest cell
 _EDGE_WIDTH = 1.0  # pixels: texture edges are soft steps about this wide, sharp but not aliased
 
-# (generator, layers, H, W) -> the layers' textures [layers, 3, H, W] in 0..255, drawn from the generator only
-TextureSource = Callable[[torch.Generator, int, int, int], torch.Tensor]
+# (each scene's generator, layers, H, W) -> the scenes' layer textures [B, layers, 3, H, W] in 0..255, each
+# scene's drawn from its generator only
+TextureSource = Callable[[list[torch.Generator], int, int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class _Scene:
     """All per-layer parameters of a batch of B scenes of L layers each (layer 0 = background). Points are
-    complex x + iy. :func:`_make_scene` draws one scene (no batch dimension), :meth:`stack` batches them."""
+    complex x + iy."""
 
     textures: torch.Tensor  # [B, L, 3, H, W] colours in 0..255, in layer coordinates (frame-0 pixels)
     centre: torch.Tensor  # [B, L] complex: centre of the shape and of the motion
@@ -63,11 +63,6 @@ class _Scene:
     lobes: torch.Tensor  # [B, L] number of lobes of the outline
     lobe_amplitude: torch.Tensor  # [B, L] relative lobe depth (0 = plain superellipse)
     lobe_phase: torch.Tensor  # [B, L]
-
-    @staticmethod
-    def stack(scenes: list[_Scene]) -> _Scene:
-        """Scenes of the same size and number of layers, each without a batch dimension -> one batch."""
-        return _Scene(**{f.name: torch.stack([getattr(scene, f.name) for scene in scenes]) for f in fields(_Scene)})
 
 
 def _check_size(size: tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -86,79 +81,112 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...], low: float, high: flo
     return low + (high - low) * torch.rand(shape, generator=gen)
 
 
-def _multiscale_noise(
+def _noise_octaves(
     gen: torch.Generator, layers: int, channels: int, height: int, width: int, finest_cell: int
-) -> torch.Tensor:
-    """Octaves of random grids, cells 64 px down to ``finest_cell`` px -> [layers, channels, H, W].
+) -> list[torch.Tensor]:
+    """The random grids of :func:`_multiscale_noise`, cells 64 px down to ``finest_cell`` px: each
+    [layers, channels, h, w], just covering the image at its cell size once upsampled from the one before."""
+    cell = _COARSEST_CELL
+    rows, columns = height // cell + 2, width // cell + 2
+    octaves = [torch.randn(layers, channels, rows, columns, generator=gen)]
+    while cell > finest_cell:
+        cell //= 2
+        rows, columns = min(2 * rows, height // cell + 2), min(2 * columns, width // cell + 2)
+        octaves.append(torch.randn(layers, channels, rows, columns, generator=gen))
+    return octaves
+
+
+def _multiscale_noise(octaves: list[torch.Tensor], height: int, width: int) -> torch.Tensor:
+    """Octaves of random grids [N, channels, h, w], coarsest (64 px cells) first -> noise [N, channels, H, W].
 
     Octave weights grow as sqrt(cell), and the sum is divided by sqrt(sum of the weights squared), so the
     values are roughly unit scale. Built as a pyramid: the running sum is upsampled 2x and the next (finer,
     weaker) octave added, so the cost is dominated by the last upsampling. The grids are upsampled as one
-    channel each ([layers * channels, 1, h, w]): on the CPU torch's bilinear kernel is about 2x slower with 3.
+    channel each ([N * channels, 1, h, w]): on the CPU torch's bilinear kernel is about 2x slower with 3.
     """
+    layers, channels = octaves[0].shape[:2]
     cell = _COARSEST_CELL
-    total = math.sqrt(cell) * torch.randn(
-        layers, channels, height // cell + 2, width // cell + 2, generator=gen
-    )
-    total = total.view(layers * channels, 1, *total.shape[-2:])
+    total = (math.sqrt(cell) * octaves[0]).view(layers * channels, 1, *octaves[0].shape[-2:])
     weight_sq = float(cell)
-    while cell > finest_cell:
+    for octave in octaves[1:]:
         cell //= 2
         # Upsample 2x and keep only the grid rows/columns that cover the image at this cell size.
         total = F.interpolate(total, scale_factor=2.0, mode="bilinear", align_corners=False)
-        total = total[:, :, : height // cell + 2, : width // cell + 2]
-        total += math.sqrt(cell) * torch.randn(layers, channels, *total.shape[-2:], generator=gen).view(total.shape)
+        total = total[:, :, : octave.shape[-2], : octave.shape[-1]]
+        total += math.sqrt(cell) * octave.view(total.shape)
         weight_sq += cell
     total = F.interpolate(total, scale_factor=float(cell), mode="bilinear", align_corners=False)
     return total[:, :, :height, :width].reshape(layers, channels, height, width) * (1 / math.sqrt(weight_sq))
 
 
-def procedural_textures(gen: torch.Generator, layers: int, height: int, width: int) -> torch.Tensor:
-    """Textures [layers, 3, H, W] in 0..255: a base colour, coloured multi-scale noise and sharp edges."""
-    base = _uniform(gen, (layers, 3, 1), 40.0, 215.0)
+def _draw_texture(gen: torch.Generator, layers: int, height: int, width: int) -> dict[str, list[torch.Tensor]]:
+    """The random numbers of one scene's procedural textures, in the order drawn; each a list of tensors whose
+    first dimension is the layer (one tensor, or the octaves of a noise)."""
+    return {
+        "base": [_uniform(gen, (layers, 3, 1), 40.0, 215.0)],
+        "colour_noise": _noise_octaves(gen, layers, 3, height, width, finest_cell=2),
+        "mix": [torch.randn(layers, 3, 3, generator=gen)],
+        "luminance_gain": [_uniform(gen, (layers, 1), 10.0, 30.0)],
+        "mix_gain": [_uniform(gen, (layers, 1, 1), 5.0, 20.0)],
+        "alpha": [_uniform(gen, (layers, 1, 1), 0.0, math.pi)],
+        "period": [_uniform(gen, (layers, 1, 1), 10.0, 40.0)],
+        "phase": [_uniform(gen, (layers, 1, 1), 0.0, 2 * math.pi)],
+        "blob_noise": _noise_octaves(gen, layers, 1, height, width, finest_cell=8),
+        "edge_on": [torch.rand(layers, 3, generator=gen)],
+        "edge_weight": [_uniform(gen, (layers, 3), 10.0, 30.0)],
+        "edge_colour": [torch.randn(layers, 3, generator=gen)],
+    }
+
+
+def procedural_textures(gens: list[torch.Generator], layers: int, height: int, width: int) -> torch.Tensor:
+    """Textures [B, layers, 3, H, W] in 0..255: a base colour, coloured multi-scale noise and sharp edges.
+
+    Each scene's random numbers are drawn from its generator; the textures are then painted as one batch of
+    B * layers layers (the painting is per layer, so a scene's textures do not depend on the batch)."""
+    draws = [_draw_texture(gen, layers, height, width) for gen in gens]
+    drawn = {name: [torch.cat(parts) for parts in zip(*(draw[name] for draw in draws))] for name in draws[0]}
+    (base,), (mix,), (luminance_gain,), (mix_gain,) = (drawn[n] for n in ("base", "mix", "luminance_gain", "mix_gain"))
+    all_layers = len(gens) * layers
     # Luminance noise plus a random colour mix of three noise fields.
-    noise = _multiscale_noise(gen, layers, 3, height, width, finest_cell=2)  # [L, 3 fields, H, W]
-    mix = torch.randn(layers, 3, 3, generator=gen) * 0.5 + torch.eye(3) * 0.5  # [L, 3 colours, 3 fields]
-    luminance_gain = _uniform(gen, (layers, 1), 10.0, 30.0)
-    mix = mix * _uniform(gen, (layers, 1, 1), 5.0, 20.0)
+    noise = _multiscale_noise(drawn["colour_noise"], height, width)  # [B*L, 3 fields, H, W]
+    mix = (mix * 0.5 + torch.eye(3) * 0.5) * mix_gain  # [B*L, 3 colours, 3 fields]
     mix[:, :, 0] += luminance_gain  # the luminance: field 0 added to every colour
-    texture = torch.baddbmm(base, mix, noise.view(layers, 3, height * width))  # [L, 3, H*W]
+    texture = torch.baddbmm(base, mix, noise.view(all_layers, 3, height * width))  # [B*L, 3, H*W]
 
     # Edges: square-wave stripes at a random orientation and period, a checkerboard, and blobs (level sets
     # of coarse noise). sin(phase) * period / 2pi is about the distance to the nearest edge in pixels.
     ys = torch.arange(height, dtype=torch.float32).view(1, height, 1)
     xs = torch.arange(width, dtype=torch.float32).view(1, 1, width)
-    alpha = _uniform(gen, (layers, 1, 1), 0.0, math.pi)
-    period = _uniform(gen, (layers, 1, 1), 10.0, 40.0)
-    phase = _uniform(gen, (layers, 1, 1), 0.0, 2 * math.pi)
+    (alpha,), (period,), (phase,) = drawn["alpha"], drawn["period"], drawn["phase"]
     frequency = 2 * math.pi / period  # radians a pixel
     cos, sin = torch.cos(alpha) * frequency, torch.sin(alpha) * frequency
-    along = xs * cos + (ys * sin + phase)  # [L, H, W] phases across and along the stripes
+    along = xs * cos + (ys * sin + phase)  # [B*L, H, W] phases across and along the stripes
     across = xs * -sin + (ys * cos + phase)
     sharpness = period / (2 * math.pi * _EDGE_WIDTH)
     stripes = along.sin_().mul_(sharpness).tanh_()
     checker = across.sin_().mul_(sharpness).tanh_().mul_(stripes)
-    blobs = _multiscale_noise(gen, layers, 1, height, width, finest_cell=8)[:, 0].mul_(3.0).tanh_()
-    weights = (torch.rand(layers, 3, generator=gen) < 0.5).float() * _uniform(gen, (layers, 3), 10.0, 30.0)
-    weights = weights.view(layers, 3, 1, 1)
+    blobs = _multiscale_noise(drawn["blob_noise"], height, width)[:, 0].mul_(3.0).tanh_()
+    weights = ((drawn["edge_on"][0] < 0.5).float() * drawn["edge_weight"][0]).view(all_layers, 3, 1, 1)
     edge_signal = (stripes * weights[:, 0]).addcmul_(checker, weights[:, 1]).addcmul_(blobs, weights[:, 2])
-    edge_colour = F.normalize(torch.randn(layers, 3, generator=gen), dim=1) * math.sqrt(3.0)
-    texture = texture.view(layers, 3, height, width).addcmul_(edge_signal.unsqueeze(1), edge_colour.view(layers, 3, 1, 1))
-    return texture.clamp_(0.0, 255.0)
+    edge_colour = F.normalize(drawn["edge_colour"][0], dim=1) * math.sqrt(3.0)
+    texture = texture.view(all_layers, 3, height, width).addcmul_(
+        edge_signal.unsqueeze(1), edge_colour.view(all_layers, 3, 1, 1)
+    )
+    return texture.clamp_(0.0, 255.0).view(len(gens), layers, 3, height, width)
 
 
-def _make_scene(
+def _draw_motion(
     gen: torch.Generator,
     height: int,
     width: int,
     *,
-    textures: TextureSource,
     num_layers: int,
     max_translation: float,
     max_rotation: float,
     max_scale_change: float,
     background_motion: float,
-) -> _Scene:
+) -> dict[str, torch.Tensor]:
+    """One scene's layer shapes and motions: the :class:`_Scene` fields but ``textures``, each [L, ...]."""
     layers = num_layers + 1
     motion_scale = math.sqrt(height * width / (_REFERENCE_SIZE[0] * _REFERENCE_SIZE[1]))
     centre = torch.complex(
@@ -178,19 +206,17 @@ def _make_scene(
     lobes = torch.randint(2, 7, (layers,), generator=gen).float()
     lobe_amplitude = _uniform(gen, (layers,), 0.0, 0.3) * (torch.rand(layers, generator=gen) < 0.6).float()
     lobe_phase = _uniform(gen, (layers,), 0.0, 2 * math.pi)
-    # Textures are drawn last: the geometry and motion of a scene do not depend on the image size.
-    return _Scene(
-        textures=textures(gen, layers, height, width),
-        centre=centre,
-        velocity=torch.polar(radius * damping, direction),
-        log_similarity=torch.complex(log_scale * damping, angle * damping),
-        radii=radii,
-        orientation=orientation,
-        exponent=exponent,
-        lobes=lobes,
-        lobe_amplitude=lobe_amplitude,
-        lobe_phase=lobe_phase,
-    )
+    return {
+        "centre": centre,
+        "velocity": torch.polar(radius * damping, direction),
+        "log_similarity": torch.complex(log_scale * damping, angle * damping),
+        "radii": radii,
+        "orientation": orientation,
+        "exponent": exponent,
+        "lobes": lobes,
+        "lobe_amplitude": lobe_amplitude,
+        "lobe_phase": lobe_phase,
+    }
 
 
 def _per_layer(values: torch.Tensor) -> torch.Tensor:
@@ -328,21 +354,6 @@ def _flow_and_masks(scene: _Scene, front: torch.Tensor) -> tuple[torch.Tensor, t
     return flow, valid.float(), occlusion.float()
 
 
-@contextlib.contextmanager
-def _single_threaded() -> Iterator[None]:
-    """Generate on one intra-op thread. The tensors are small: on a busy 2-core machine torch's thread pool
-    made a 64x96 pair 5x slower (~110 ms on two threads against ~20 ms on one)."""
-    previous = torch.get_num_threads()
-    if previous == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 class _SceneSource:
     """Construction and validation of the scene parameters, shared by both synthetic datasets (and the
     photograph-textured ones of ``flowformer/data/image_folder.py``, which replace ``textures``).
@@ -391,26 +402,29 @@ class _SceneSource:
     def __len__(self) -> int:
         return self.num_samples
 
-    def _scene(self, index: int) -> _Scene:
-        if not -self.num_samples <= index < self.num_samples:
-            raise IndexError(f"synthetic data: index {index} out of range for {self.num_samples} samples")
-        index %= self.num_samples
-        return _make_scene(
-            _generator(self.seed, index),
-            *self.size,
-            textures=self.textures,
-            num_layers=self.num_layers,
-            max_translation=self.max_translation,
-            max_rotation=self.max_rotation,
-            max_scale_change=self.max_scale_change,
-            background_motion=self.background_motion,
-        )
-
-    def _scenes(self, indices: list[int]) -> _Scene:
-        """The scenes of samples ``indices``, drawn one after the other on one intra-op thread (their random
-        streams are each sample's own), as one batch."""
-        with _single_threaded():
-            return _Scene.stack([self._scene(index) for index in indices])
+    def _scenes(self, items: list[int]) -> _Scene:
+        """The scenes of samples ``items`` (negative counting from the end) as one batch. Each scene's random
+        stream is its own: its shapes and motions are drawn first (they do not depend on the image size), then
+        its textures."""
+        gens = []
+        for index in items:
+            if not -self.num_samples <= index < self.num_samples:
+                raise IndexError(f"synthetic data: index {index} out of range for {self.num_samples} samples")
+            gens.append(_generator(self.seed, index % self.num_samples))
+        motions = [
+            _draw_motion(
+                gen,
+                *self.size,
+                num_layers=self.num_layers,
+                max_translation=self.max_translation,
+                max_rotation=self.max_rotation,
+                max_scale_change=self.max_scale_change,
+                background_motion=self.background_motion,
+            )
+            for gen in gens
+        ]
+        textures = self.textures(gens, self.num_layers + 1, *self.size)
+        return _Scene(textures=textures, **{name: torch.stack([m[name] for m in motions]) for name in motions[0]})
 
     def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
         return self.__getitems__([item])[0]  # type: ignore[attr-defined]  # each dataset's own batch

@@ -125,18 +125,18 @@ class CountOperators(TorchDispatchMode):
 
 @pytest.mark.parametrize("size", [SIZE, (37, 53)])
 def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(size: tuple[int, int]) -> None:
-    """A DataLoader's batch is rendered at once (one call of the dataset's __getitems__, in the loading thread):
-    the scenes drawn one after the other on one intra-op thread, then rendered together on the process's
-    threads, which are left as they were. Each pair is bitwise the pair of `dataset[index]`, also at a size whose
-    pixels are not a multiple of the CPU's vector width and on two threads."""
+    """A DataLoader's batch is rendered at once (one call of the dataset's __getitems__, in the loading thread,
+    which paints the batch's textures in one call), on the process's threads, which are left as they were. Each
+    pair is bitwise the pair of `dataset[index]`, also at a size whose pixels are not a multiple of the CPU's
+    vector width and on two threads."""
     dataset = SyntheticFlowDataset(num_samples=100, size=size, seed=3)
-    drawing = set()
+    painting = []
 
-    def procedural_recording_its_thread(gen, layers, height, width):
-        drawing.add((threading.get_ident(), torch.get_num_threads()))
-        return procedural_textures(gen, layers, height, width)
+    def procedural_recording_its_calls(gens, layers, height, width):
+        painting.append((threading.get_ident(), len(gens)))
+        return procedural_textures(gens, layers, height, width)
 
-    dataset.textures = procedural_recording_its_thread
+    dataset.textures = procedural_recording_its_calls
     indices = [17, 3, 99, 42, 0, 58, 71, 8]
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -148,8 +148,9 @@ def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(s
             dataset[0]
     finally:
         torch.set_num_threads(previous)
-    assert drawing == {(threading.get_ident(), 1)}
-    # the scenes' drawing is per pair; the rendering's operators are the batch's, not 8 times a pair's
+    assert painting[0] == (threading.get_ident(), 8)
+    # the scenes' random numbers are drawn pair by pair; the painting and rendering are the batch's, not 8
+    # times a pair's operators
     assert batch_operators.count < 4 * pair_operators.count, (batch_operators.count, pair_operators.count)
     for position, index in enumerate(indices):
         alone = dataset[index]
