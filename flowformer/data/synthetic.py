@@ -23,6 +23,7 @@ photographs in ``flowformer/data/image_folder.py``; the scenes, their motion and
 
 from __future__ import annotations
 
+import abc
 import functools
 import itertools
 import math
@@ -42,6 +43,10 @@ __all__ = ["SyntheticFlowDataset", "SyntheticVideoDataset", "TextureSource", "pr
 _REFERENCE_SIZE = (368, 496)  # the official chairs training crop; max_translation is given at it
 _COARSEST_CELL = 64  # multi-scale noise: octaves with cells of 64, 32, ... px down to a finest cell
 _EDGE_WIDTH = 1.0  # pixels: texture edges are soft steps about this wide, sharp but not aliased
+# A batch's scenes are rendered together in chunks of at most this many pixels (at least one scene): on the 2-core
+# CPU, per pair, 8 scenes at once took 0.63-0.79x the time of one at a time at 64x96 and 128x192, but 1.1-2.6x at
+# 256x384 and 368x496, where the batch's tensors outgrow the caches (docs/performance.md).
+_CHUNK_PIXELS = 2**17
 
 # (each scene's generator, layers, H, W) -> the scenes' layer textures [B, layers, 3, H, W] in 0..255, each
 # scene's drawn from its generator only
@@ -354,7 +359,7 @@ def _flow_and_masks(scene: _Scene, front: torch.Tensor) -> tuple[torch.Tensor, t
     return flow, valid.float(), occlusion.float()
 
 
-class _SceneSource:
+class _SceneSource(abc.ABC):
     """Construction and validation of the scene parameters, shared by both synthetic datasets (and the
     photograph-textured ones of ``flowformer/data/image_folder.py``, which replace ``textures``).
 
@@ -402,12 +407,12 @@ class _SceneSource:
     def __len__(self) -> int:
         return self.num_samples
 
-    def _scenes(self, items: list[int]) -> _Scene:
-        """The scenes of samples ``items`` (negative counting from the end) as one batch. Each scene's random
+    def _scenes(self, indices: list[int]) -> _Scene:
+        """The scenes of samples ``indices`` (negative counting from the end) as one batch. Each scene's random
         stream is its own: its shapes and motions are drawn first (they do not depend on the image size), then
         its textures."""
         gens = []
-        for index in items:
+        for index in indices:
             if not -self.num_samples <= index < self.num_samples:
                 raise IndexError(f"synthetic data: index {index} out of range for {self.num_samples} samples")
             gens.append(_generator(self.seed, index % self.num_samples))
@@ -427,7 +432,19 @@ class _SceneSource:
         return _Scene(textures=textures, **{name: torch.stack([m[name] for m in motions]) for name in motions[0]})
 
     def __getitem__(self, item: int | SampleKey) -> dict[str, object]:
-        return self.__getitems__([item])[0]  # type: ignore[attr-defined]  # each dataset's own batch
+        return self.__getitems__([item])[0]
+
+    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
+        """A batch's samples (a DataLoader's fetch), their scenes rendered together in chunks of at most
+        ``_CHUNK_PIXELS`` pixels: each sample is that of its item alone."""
+        indices = [item_index(item) for item in items]  # scenes are a function of (seed, index)
+        per_chunk = max(1, _CHUNK_PIXELS // (self.size[0] * self.size[1]))
+        chunks = [indices[start : start + per_chunk] for start in range(0, len(indices), per_chunk)]
+        return [sample for chunk in chunks for sample in self._samples(chunk)]
+
+    @abc.abstractmethod
+    def _samples(self, indices: list[int]) -> list[dict[str, object]]:
+        """The samples of scenes ``indices``, rendered as one batch."""
 
     def _meta(self, index: int) -> dict[str, int | str]:
         return {"dataset": self.dataset_name, "seed": self.seed, "index": int(index) % self.num_samples}
@@ -441,9 +458,7 @@ class SyntheticFlowDataset(_SceneSource, Dataset):
     ``num_layers``, ``max_translation``, ``max_rotation``, ``max_scale_change``, ``background_motion``).
     """
 
-    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
-        """A batch's pairs (a DataLoader's fetch), rendered together: each pair is that of its item alone."""
-        indices = [item_index(item) for item in items]  # scenes are a function of (seed, index)
+    def _samples(self, indices: list[int]) -> list[dict[str, object]]:
         scenes = self._scenes(indices)
         img1, front = _render(scenes, 0.0)
         img2, _ = _render(scenes, 1.0)
@@ -491,9 +506,7 @@ class SyntheticVideoDataset(_SceneSource, Dataset):
         scene = self._scenes([index])
         return torch.cat([_render(scene, t)[0] for t in self._times()])
 
-    def __getitems__(self, items: list[int | SampleKey]) -> list[dict[str, object]]:
-        """A batch's pairs (a DataLoader's fetch), rendered together: each pair is that of its item alone."""
-        indices = [item_index(item) for item in items]  # scenes are a function of (seed, index)
+    def _samples(self, indices: list[int]) -> list[dict[str, object]]:
         scenes = self._scenes(indices)
         img1, _ = _render(scenes, 0.0)
         img2, _ = _render(scenes, self._times()[self.frame_gap])

@@ -159,6 +159,24 @@ def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(s
     assert batch["meta"]["index"].tolist() == indices
 
 
+def test_large_scenes_are_rendered_in_chunks_of_bounded_pixels() -> None:
+    """At 256x256 two scenes fill a chunk (2^17 pixels): a batch of 3 paints 2 scenes, then 1, each pair still
+    that of its index alone."""
+    dataset = SyntheticFlowDataset(num_samples=10, size=(256, 256), seed=1)
+    painted = []
+
+    def procedural_recording_its_calls(gens, layers, height, width):
+        painted.append(len(gens))
+        return procedural_textures(gens, layers, height, width)
+
+    dataset.textures = procedural_recording_its_calls
+    batch = next(iter(DataLoader(dataset, batch_size=3, sampler=[4, 0, 9])))
+    assert painted == [2, 1]
+    for position, index in enumerate([4, 0, 9]):
+        assert torch.equal(batch["flow"][position], dataset[index]["flow"])
+        assert torch.equal(batch["img2"][position], dataset[index]["img2"])
+
+
 def test_a_batch_of_clip_pairs_is_each_clip_alone() -> None:
     video = SyntheticVideoDataset(num_samples=10, size=(37, 53), seed=4, num_frames=4, frame_gap=2)
     batch = next(iter(DataLoader(video, batch_size=3, sampler=[7, 2, 5])))
