@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from flowformer.data.synthetic import (
@@ -20,6 +19,7 @@ from flowformer.data.synthetic import (
     _to_layer,
     procedural_textures,
 )
+from flowformer.tasks.bench import operators_dispatched
 
 from helpers.warping import visible, warp_error
 
@@ -113,16 +113,6 @@ def test_batches_through_a_dataloader() -> None:
     assert batch["meta"]["index"].tolist() == [0, 1]
 
 
-class CountOperators(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("size", [SIZE, (37, 53)])
 def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(size: tuple[int, int]) -> None:
     """A DataLoader's batch is rendered at once (one call of the dataset's __getitems__, in the loading thread,
@@ -141,17 +131,19 @@ def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(s
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with CountOperators() as batch_operators:
-            batch = next(iter(DataLoader(dataset, batch_size=8, sampler=indices)))
+        batches = []
+        batch_operators = operators_dispatched(
+            lambda: batches.append(next(iter(DataLoader(dataset, batch_size=8, sampler=indices))))
+        )
         assert torch.get_num_threads() == 2
-        with CountOperators() as pair_operators:
-            dataset[0]
+        pair_operators = operators_dispatched(lambda: dataset[0])
     finally:
         torch.set_num_threads(previous)
     assert painting[0] == (threading.get_ident(), 8)
     # the scenes' random numbers are drawn pair by pair; the painting and rendering are the batch's, not 8
     # times a pair's operators
-    assert batch_operators.count < 4 * pair_operators.count, (batch_operators.count, pair_operators.count)
+    assert batch_operators < 4 * pair_operators, (batch_operators, pair_operators)
+    batch = batches[0]
     for position, index in enumerate(indices):
         alone = dataset[index]
         for key in ("img1", "img2", "flow", "valid", "occlusion"):
