@@ -169,9 +169,11 @@ def test_large_scenes_are_rendered_in_chunks_of_bounded_pixels() -> None:
         assert torch.equal(batch["img2"][position], dataset[index]["img2"])
 
 
-def test_a_batch_of_clip_pairs_is_each_clip_alone() -> None:
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batch_of_clip_pairs_is_each_clip_alone(workers: int) -> None:
+    """Also from a loader's worker process (one torch thread, the batch collated into shared memory)."""
     video = SyntheticVideoDataset(num_samples=10, size=(37, 53), seed=4, num_frames=4, frame_gap=2)
-    batch = next(iter(DataLoader(video, batch_size=3, sampler=[7, 2, 5])))
+    batch = next(iter(DataLoader(video, batch_size=3, sampler=[7, 2, 5], num_workers=workers)))
     for position, index in enumerate([7, 2, 5]):
         clip = video.clip(index)
         assert torch.equal(batch["img1"][position], clip[0]) and torch.equal(batch["img2"][position], clip[2])
