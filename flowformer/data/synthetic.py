@@ -28,7 +28,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -124,23 +124,51 @@ def _multiscale_noise(octaves: list[torch.Tensor], height: int, width: int) -> t
     return total[:, :, :height, :width].reshape(layers, channels, height, width) * (1 / math.sqrt(weight_sq))
 
 
-def _draw_texture(gen: torch.Generator, layers: int, height: int, width: int) -> dict[str, list[torch.Tensor]]:
-    """The random numbers of one scene's procedural textures, in the order drawn; each a list of tensors whose
-    first dimension is the layer (one tensor, or the octaves of a noise)."""
-    return {
-        "base": [_uniform(gen, (layers, 3, 1), 40.0, 215.0)],
-        "colour_noise": _noise_octaves(gen, layers, 3, height, width, finest_cell=2),
-        "mix": [torch.randn(layers, 3, 3, generator=gen)],
-        "luminance_gain": [_uniform(gen, (layers, 1), 10.0, 30.0)],
-        "mix_gain": [_uniform(gen, (layers, 1, 1), 5.0, 20.0)],
-        "alpha": [_uniform(gen, (layers, 1, 1), 0.0, math.pi)],
-        "period": [_uniform(gen, (layers, 1, 1), 10.0, 40.0)],
-        "phase": [_uniform(gen, (layers, 1, 1), 0.0, 2 * math.pi)],
-        "blob_noise": _noise_octaves(gen, layers, 1, height, width, finest_cell=8),
-        "edge_on": [torch.rand(layers, 3, generator=gen)],
-        "edge_weight": [_uniform(gen, (layers, 3), 10.0, 30.0)],
-        "edge_colour": [torch.randn(layers, 3, generator=gen)],
-    }
+@dataclass(frozen=True)
+class _TextureDraws:
+    """The random numbers of procedural textures, each with the layer first (a noise: its octaves)."""
+
+    base: torch.Tensor  # [L, 3, 1] base colours
+    colour_noise: list[torch.Tensor]  # octaves [L, 3 fields, h, w]
+    mix: torch.Tensor  # [L, 3 colours, 3 fields]
+    luminance_gain: torch.Tensor  # [L, 1]
+    mix_gain: torch.Tensor  # [L, 1, 1]
+    alpha: torch.Tensor  # [L, 1, 1] the stripes' orientation
+    period: torch.Tensor  # [L, 1, 1] pixels
+    phase: torch.Tensor  # [L, 1, 1]
+    blob_noise: list[torch.Tensor]  # octaves [L, 1, h, w]
+    edge_on: torch.Tensor  # [L, 3] stripes, checkerboard, blobs: drawn below 0.5 = on
+    edge_weight: torch.Tensor  # [L, 3]
+    edge_colour: torch.Tensor  # [L, 3]
+
+    @staticmethod
+    def draw(gen: torch.Generator, layers: int, height: int, width: int) -> _TextureDraws:
+        """One scene's draws from its generator, in the order of the fields."""
+        return _TextureDraws(
+            base=_uniform(gen, (layers, 3, 1), 40.0, 215.0),
+            colour_noise=_noise_octaves(gen, layers, 3, height, width, finest_cell=2),
+            mix=torch.randn(layers, 3, 3, generator=gen),
+            luminance_gain=_uniform(gen, (layers, 1), 10.0, 30.0),
+            mix_gain=_uniform(gen, (layers, 1, 1), 5.0, 20.0),
+            alpha=_uniform(gen, (layers, 1, 1), 0.0, math.pi),
+            period=_uniform(gen, (layers, 1, 1), 10.0, 40.0),
+            phase=_uniform(gen, (layers, 1, 1), 0.0, 2 * math.pi),
+            blob_noise=_noise_octaves(gen, layers, 1, height, width, finest_cell=8),
+            edge_on=torch.rand(layers, 3, generator=gen),
+            edge_weight=_uniform(gen, (layers, 3), 10.0, 30.0),
+            edge_colour=torch.randn(layers, 3, generator=gen),
+        )
+
+    @staticmethod
+    def cat(scenes: list[_TextureDraws]) -> _TextureDraws:
+        """The draws of B scenes of L layers -> those of B * L layers (a noise's octaves each joined)."""
+        joined = {}
+        for field in fields(_TextureDraws):
+            values = [getattr(scene, field.name) for scene in scenes]
+            joined[field.name] = (
+                torch.cat(values) if isinstance(values[0], torch.Tensor) else [torch.cat(o) for o in zip(*values)]
+            )
+        return _TextureDraws(**joined)
 
 
 def procedural_textures(gens: list[torch.Generator], layers: int, height: int, width: int) -> torch.Tensor:
@@ -148,32 +176,29 @@ def procedural_textures(gens: list[torch.Generator], layers: int, height: int, w
 
     Each scene's random numbers are drawn from its generator; the textures are then painted as one batch of
     B * layers layers (the painting is per layer, so a scene's textures do not depend on the batch)."""
-    draws = [_draw_texture(gen, layers, height, width) for gen in gens]
-    drawn = {name: [torch.cat(parts) for parts in zip(*(draw[name] for draw in draws))] for name in draws[0]}
-    (base,), (mix,), (luminance_gain,), (mix_gain,) = (drawn[n] for n in ("base", "mix", "luminance_gain", "mix_gain"))
+    drawn = _TextureDraws.cat([_TextureDraws.draw(gen, layers, height, width) for gen in gens])
     all_layers = len(gens) * layers
     # Luminance noise plus a random colour mix of three noise fields.
-    noise = _multiscale_noise(drawn["colour_noise"], height, width)  # [B*L, 3 fields, H, W]
-    mix = (mix * 0.5 + torch.eye(3) * 0.5) * mix_gain  # [B*L, 3 colours, 3 fields]
-    mix[:, :, 0] += luminance_gain  # the luminance: field 0 added to every colour
-    texture = torch.baddbmm(base, mix, noise.view(all_layers, 3, height * width))  # [B*L, 3, H*W]
+    noise = _multiscale_noise(drawn.colour_noise, height, width)  # [B*L, 3 fields, H, W]
+    mix = (drawn.mix * 0.5 + torch.eye(3) * 0.5) * drawn.mix_gain  # [B*L, 3 colours, 3 fields]
+    mix[:, :, 0] += drawn.luminance_gain  # the luminance: field 0 added to every colour
+    texture = torch.baddbmm(drawn.base, mix, noise.view(all_layers, 3, height * width))  # [B*L, 3, H*W]
 
     # Edges: square-wave stripes at a random orientation and period, a checkerboard, and blobs (level sets
     # of coarse noise). sin(phase) * period / 2pi is about the distance to the nearest edge in pixels.
     ys = torch.arange(height, dtype=torch.float32).view(1, height, 1)
     xs = torch.arange(width, dtype=torch.float32).view(1, 1, width)
-    (alpha,), (period,), (phase,) = drawn["alpha"], drawn["period"], drawn["phase"]
-    frequency = 2 * math.pi / period  # radians a pixel
-    cos, sin = torch.cos(alpha) * frequency, torch.sin(alpha) * frequency
-    along = xs * cos + (ys * sin + phase)  # [B*L, H, W] phases across and along the stripes
-    across = xs * -sin + (ys * cos + phase)
-    sharpness = period / (2 * math.pi * _EDGE_WIDTH)
+    frequency = 2 * math.pi / drawn.period  # radians a pixel
+    cos, sin = torch.cos(drawn.alpha) * frequency, torch.sin(drawn.alpha) * frequency
+    along = xs * cos + (ys * sin + drawn.phase)  # [B*L, H, W] phases across and along the stripes
+    across = xs * -sin + (ys * cos + drawn.phase)
+    sharpness = drawn.period / (2 * math.pi * _EDGE_WIDTH)
     stripes = along.sin_().mul_(sharpness).tanh_()
     checker = across.sin_().mul_(sharpness).tanh_().mul_(stripes)
-    blobs = _multiscale_noise(drawn["blob_noise"], height, width)[:, 0].mul_(3.0).tanh_()
-    weights = ((drawn["edge_on"][0] < 0.5).float() * drawn["edge_weight"][0]).view(all_layers, 3, 1, 1)
+    blobs = _multiscale_noise(drawn.blob_noise, height, width)[:, 0].mul_(3.0).tanh_()
+    weights = ((drawn.edge_on < 0.5).float() * drawn.edge_weight).view(all_layers, 3, 1, 1)
     edge_signal = (stripes * weights[:, 0]).addcmul_(checker, weights[:, 1]).addcmul_(blobs, weights[:, 2])
-    edge_colour = F.normalize(drawn["edge_colour"][0], dim=1) * math.sqrt(3.0)
+    edge_colour = F.normalize(drawn.edge_colour, dim=1) * math.sqrt(3.0)
     texture = texture.view(all_layers, 3, height, width).addcmul_(
         edge_signal.unsqueeze(1), edge_colour.view(all_layers, 3, 1, 1)
     )
