@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -278,7 +277,8 @@ def _moved(
     The motions' few numbers are computed scene by scene: torch's complex exponential and products round a
     vector's lanes and its remainder differently, so computed for the batch at once, a scene's flow would depend
     on its place in the batch (by an ulp)."""
-    offsets, factors = zip(*map(motion, scene.centre, scene.velocity, scene.log_similarity, itertools.repeat(t)))
+    motions = [motion(*layers, t) for layers in zip(scene.centre, scene.velocity, scene.log_similarity)]
+    offsets, factors = zip(*motions)
     return torch.addcmul(_per_layer(torch.stack(offsets)), points, _per_layer(torch.stack(factors)))
 
 

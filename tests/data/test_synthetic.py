@@ -113,6 +113,18 @@ def test_batches_through_a_dataloader() -> None:
     assert batch["meta"]["index"].tolist() == [0, 1]
 
 
+def recording_painting(dataset: SyntheticFlowDataset) -> list[tuple[int, int]]:
+    """The dataset's procedural textures, each call recorded as (thread, scenes painted) in the list returned."""
+    calls = []
+
+    def procedural_recording_its_calls(gens, layers, height, width):
+        calls.append((threading.get_ident(), len(gens)))
+        return procedural_textures(gens, layers, height, width)
+
+    dataset.textures = procedural_recording_its_calls
+    return calls
+
+
 @pytest.mark.parametrize("size", [SIZE, (37, 53)])
 def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(size: tuple[int, int]) -> None:
     """A DataLoader's batch is rendered at once (one call of the dataset's __getitems__, in the loading thread,
@@ -120,13 +132,7 @@ def test_a_loader_renders_its_batch_together_each_pair_that_of_its_index_alone(s
     pair is bitwise the pair of `dataset[index]`, also at a size whose pixels are not a multiple of the CPU's
     vector width and on two threads."""
     dataset = SyntheticFlowDataset(num_samples=100, size=size, seed=3)
-    painting = []
-
-    def procedural_recording_its_calls(gens, layers, height, width):
-        painting.append((threading.get_ident(), len(gens)))
-        return procedural_textures(gens, layers, height, width)
-
-    dataset.textures = procedural_recording_its_calls
+    painting = recording_painting(dataset)
     indices = [17, 3, 99, 42, 0, 58, 71, 8]
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -155,15 +161,9 @@ def test_large_scenes_are_rendered_in_chunks_of_bounded_pixels() -> None:
     """At 256x256 two scenes fill a chunk (2^17 pixels): a batch of 3 paints 2 scenes, then 1, each pair still
     that of its index alone."""
     dataset = SyntheticFlowDataset(num_samples=10, size=(256, 256), seed=1)
-    painted = []
-
-    def procedural_recording_its_calls(gens, layers, height, width):
-        painted.append(len(gens))
-        return procedural_textures(gens, layers, height, width)
-
-    dataset.textures = procedural_recording_its_calls
+    painting = recording_painting(dataset)
     batch = next(iter(DataLoader(dataset, batch_size=3, sampler=[4, 0, 9])))
-    assert painted == [2, 1]
+    assert [scenes for _, scenes in painting] == [2, 1]
     for position, index in enumerate([4, 0, 9]):
         assert torch.equal(batch["flow"][position], dataset[index]["flow"])
         assert torch.equal(batch["img2"][position], dataset[index]["img2"])
