@@ -16,10 +16,11 @@ it on the CPU (bounded tokenization, dense plan).
 Prints the flows' difference (px), then per network the median wall and user-CPU seconds of --repeats forwards
 (after the flow comparison's, which warm both up, and --warmup more rounds), the ratios official / ours of the
 medians and the median of the per-round ratios (the rounds interleave, so a round's two forwards share the
-machine's load). With --profile N, instead of the timing: the N operators of most self CPU time in one forward
-of each network (torch.profiler). With --reuse-host-memory, ours runs on run.py's host allocator (freed memory
-reused, flowformer/tasks/runtime.py) and the official forwards on glibc's memory maps; run.py's huge pages come
-from THP_MEM_ALLOC_ENABLE=1 in the environment, for both networks (torch reads it when it is imported).
+machine's load), and the same for the wall seconds of each forward's stages (`STAGES`) and of the rest (the cost
+volume, the images' scaling). With --profile N, instead of the timing: the N operators of most self CPU time in
+one forward of each network (torch.profiler). With --reuse-host-memory, ours runs on run.py's host allocator
+(freed memory reused, flowformer/tasks/runtime.py) and the official forwards on glibc's memory maps; run.py's huge
+pages come from THP_MEM_ALLOC_ENABLE=1 in the environment, for both networks (torch reads it when it is imported).
 """
 
 import argparse
@@ -29,6 +30,7 @@ import resource
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,6 +41,38 @@ sys.path.insert(0, str(REPOSITORY))
 from flowformer.models import build_flowformer
 from flowformer.models.checkpoint import from_official
 from flowformer.tasks.runtime import GLIBC_DEFAULT_MMAP_MAX, M_MMAP_MAX, configure_host_allocator
+
+# The modules of each stage of a forward. Ours keeps the official module names (the state dicts' prefixes), and
+# both networks call each of these modules once a forward (the decoder's iterations run inside memory_decoder).
+STAGES = {
+    "image encoders": ("context_encoder", "memory_encoder.feat_encoder"),
+    "cost encoder": ("memory_encoder.cost_perceiver_encoder",),
+    "decoder": ("memory_decoder",),
+}
+
+
+class StageClock:
+    """The wall seconds a network's forward spends in each of STAGES, summed over its modules (forward hooks)."""
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._started: dict[str, float] = {}
+        for stage, names in STAGES.items():
+            for name in names:
+                module = network.get_submodule(name)
+                module.register_forward_pre_hook(partial(self._start, stage))
+                module.register_forward_hook(partial(self._stop, stage))
+
+    def _start(self, stage: str, *_) -> None:
+        self._started[stage] = time.perf_counter()
+
+    def _stop(self, stage: str, *_) -> None:
+        self.seconds[stage] += time.perf_counter() - self._started.pop(stage)
+
+    def taken(self, total: float) -> dict[str, float]:
+        """The stages' seconds since the last call, and "rest": `total` (the forward's wall seconds) less them."""
+        seconds, self.seconds = self.seconds, dict.fromkeys(STAGES, 0.0)
+        return {**seconds, "rest": total - sum(seconds.values())}
 
 
 def parse_args() -> argparse.Namespace:
@@ -140,21 +174,33 @@ def agreement(official_run, our_run) -> str:
     )
 
 
-def alternate(runs: dict, warmup: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
-    """Each round runs every network once, in turn; the first `warmup` rounds are not kept."""
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+Times = dict[str, list[tuple[float, float]]]
+StageTimes = dict[str, list[dict[str, float]]]
+
+
+def alternate(
+    runs: dict, clocks: dict[str, StageClock], warmup: int, repeats: int
+) -> tuple[Times, StageTimes]:
+    """Each round runs every network once, in turn; the first `warmup` rounds are not kept. -> ({network: [(wall,
+    user CPU) a round]}, {network: [its stages' wall seconds a round]})."""
+    times: Times = {name: [] for name in runs}
+    stage_times: StageTimes = {name: [] for name in runs}
     for round_index in range(warmup + repeats):
         for name, run in runs.items():
             measured = timed(run)
+            stages = clocks[name].taken(measured[0])
             if round_index >= warmup:
                 times[name].append(measured)
+                stage_times[name].append(stages)
             print(
-                f"round {round_index}: {name} {measured[0]:.2f} s wall, {measured[1]:.2f} s user", flush=True
+                f"round {round_index}: {name} {measured[0]:.2f} s wall, {measured[1]:.2f} s user "
+                f"({', '.join(f'{stage} {seconds:.2f}' for stage, seconds in stages.items())} s wall)",
+                flush=True,
             )
-    return times
+    return times, stage_times
 
 
-def report(times: dict[str, list[tuple[float, float]]]) -> None:
+def report(times: Times, stage_times: StageTimes) -> None:
     official, ours = times["official"], times["ours"]
     for column, label in ((0, "wall"), (1, "user CPU")):
         median_official = statistics.median(t[column] for t in official)
@@ -163,6 +209,14 @@ def report(times: dict[str, list[tuple[float, float]]]) -> None:
         print(
             f"{label}: official {median_official:.2f} s, ours {median_ours:.2f} s (medians of {len(ours)}); "
             f"official/ours {median_official / median_ours:.2f}x, median per round {per_round:.2f}x"
+        )
+    for stage in stage_times["ours"][0]:
+        median_official, median_ours = (
+            statistics.median(t[stage] for t in stage_times[network]) for network in ("official", "ours")
+        )
+        print(
+            f"{stage}: official {median_official:.2f} s, ours {median_ours:.2f} s wall (medians); "
+            f"official/ours {median_official / median_ours:.2f}x"
         )
 
 
@@ -214,7 +268,8 @@ def main() -> None:
         if args.profile:
             profile(runs, args.profile)
         else:
-            report(alternate(runs, args.warmup, args.repeats))
+            clocks = {"official": StageClock(official), "ours": StageClock(ours)}
+            report(*alternate(runs, clocks, args.warmup, args.repeats))
 
 
 if __name__ == "__main__":
