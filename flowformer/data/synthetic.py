@@ -277,8 +277,12 @@ def _moved(
     The motions' few numbers are computed scene by scene: torch's complex exponential and products round a
     vector's lanes and its remainder differently, so computed for the batch at once, a scene's flow would depend
     on its place in the batch (by an ulp)."""
-    motions = [motion(*layers, t) for layers in zip(scene.centre, scene.velocity, scene.log_similarity)]
-    offsets, factors = zip(*motions)
+    offsets, factors = zip(
+        *(
+            motion(centre, velocity, log_similarity, t)  # one scene's layers: complex [L] each
+            for centre, velocity, log_similarity in zip(scene.centre, scene.velocity, scene.log_similarity)
+        )
+    )
     return torch.addcmul(_per_layer(torch.stack(offsets)), points, _per_layer(torch.stack(factors)))
 
 
