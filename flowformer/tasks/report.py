@@ -478,16 +478,18 @@ def other_overrides(job: Job, paper_row: dict[str, Any]) -> list[str]:
     ]
 
 
+def differing_overrides(jobs: list[Job]) -> dict[str, list[str]]:
+    """Each job's overrides of its command line that not every job (whose overrides are known) shares."""
+    known = [job for job in jobs if job.overrides]
+    return {
+        job.name: [override for override in job.overrides if not all(override in o.overrides for o in known)]
+        for job in jobs
+    }
+
+
 def job_names(jobs: list[Job]) -> dict[str, str]:
-    """Each job's name: the overrides of its command line that not every job (whose overrides are known)
-    shares, else its folder."""
-    names, known = {}, [job for job in jobs if job.overrides]
-    for job in jobs:
-        differing = [
-            override for override in job.overrides if not all(override in o.overrides for o in known)
-        ]
-        names[job.name] = ",".join(differing) or job.name
-    return names
+    """Each job's name: its differing overrides, else its folder."""
+    return {name: ",".join(differing) or name for name, differing in differing_overrides(jobs).items()}
 
 
 def paper_columns(table: dict[str, Any] | None) -> list[str]:
@@ -522,11 +524,13 @@ def difference(value: float | None, published: float | None) -> float | None:
 
 
 def job_row(
-    job: Job, name: str, paper: dict[str, Any], table: dict[str, Any] | None, measured: list[str]
+    job: Job, differing: list[str], paper: dict[str, Any], table: dict[str, Any] | None, measured: list[str]
 ) -> dict[str, Any]:
     """The report's row of a job in one paper row (`paper`, {} for none): the paper's label (else the job's
-    name), name, status, each paper column's value / published / difference, every other measured value, the
-    overrides beyond its row, parameter counts (millions), training seconds, error."""
+    name: `differing`, its overrides that other jobs do not share), name, status, each paper column's value /
+    published / difference, every other measured value, the overrides beyond its row (beyond its name without a
+    paper row), parameter counts (millions), training seconds, error."""
+    name = ",".join(differing) or job.name
     published = paper.get("published") or {}
     row: dict[str, Any] = {"row": paper.get("label") or name, "job": name, "status": job.status}
     compared = paper_columns(table)
@@ -536,7 +540,8 @@ def job_row(
         row[f"{column} paper"] = published.get(column)
         row[f"{column} diff"] = difference(value, published.get(column))
     row.update({column: job.results.get(column) for column in measured if column not in compared})
-    row["other_overrides"] = " ".join(other_overrides(job, paper))
+    beyond = other_overrides(job, paper)
+    row["other_overrides"] = " ".join(beyond if paper else [o for o in beyond if o not in differing])
     row["params_m"] = None if job.parameters is None else job.parameters / 1e6
     row["params_m paper"] = published.get(PARAMS_KEY)
     row["train_s"] = job.train_s
@@ -547,12 +552,12 @@ def job_row(
 def report_rows(jobs: list[Job], table: dict[str, Any] | None, metrics: Iterable[str]) -> list[dict]:
     """One dict per job and paper row it fills (job_row; a job of no row once), then one per row of the table
     no job ran, `missing`."""
-    names, compared, measured = job_names(jobs), paper_columns(table), measured_columns(jobs, metrics)
+    differing, compared, measured = differing_overrides(jobs), paper_columns(table), measured_columns(jobs, metrics)
     rows, matched = [], set()
     for job in jobs:
         papers = filled_rows(table, job)
         matched.update(paper["label"] for paper in papers)
-        rows += [job_row(job, names[job.name], paper, table, measured) for paper in papers or [{}]]
+        rows += [job_row(job, differing[job.name], paper, table, measured) for paper in papers or [{}]]
     for paper in (table or {}).get("rows", {}).values():
         if paper["label"] not in matched:
             published = paper.get("published") or {}
@@ -614,7 +619,7 @@ def markdown(title: str, table: dict[str, Any] | None, rows: list[dict[str, Any]
         caption = table["caption"].strip()
         lines += [f"Paper: {table['title']} (conf/paper/{table['name']}.yaml). {caption}", ""]
         lines += [f"The paper's training: {table['training']}. {compared_line(table)}", ""]
-    lines += ["Each value: measured / the paper's (measured - paper's).", ""]
+        lines += ["Each value: measured / the paper's (measured - paper's).", ""]
     columns = [key for key in rows[0] if key not in ROW_FIELDS and not key.endswith((" paper", " diff"))]
     headers = ["row", "job", "status", *(PAPER_COLUMNS.get(c, c) for c in columns)]
     headers += ["Params (M)", "other overrides", "train h:mm:ss"]

@@ -82,8 +82,22 @@ def monitored_value(run: PreparedRun) -> float | None:
         log.info("best checkpoint: %s", best.best_model_path)
     if (last := last_checkpoint_path(run.trainer)) is not None:
         log.info("last checkpoint: %s", last)
-    log.info("%s = %s", run.monitor, value)
+    if value is not None:
+        log.info("%s = %s", run.monitor, value)
+    else:
+        log.info("%s: not measured: %s", run.monitor, why_unmeasured(run.trainer))
     return value
+
+
+def why_unmeasured(trainer: L.Trainer) -> str:
+    """Why a fit has no value of its monitored metric: the validations it ran logged others, or it ran none."""
+    logged = sorted(key for key in trainer.callback_metrics if key.startswith("val/"))
+    if logged:
+        return f"the validation logged {', '.join(logged)}"
+    return (
+        f"no validation ran in its {trainer.global_step} training steps "
+        f"(trainer.val_check_interval={trainer.val_check_interval})"
+    )
 
 
 def run(cfg: DictConfig) -> float | None:

@@ -174,6 +174,23 @@ def test_a_row_that_names_its_evaluation_is_compared_with_that_one_alone():
     assert no_tile["sintel_clean/epe diff"] == pytest.approx(0.49)
 
 
+def test_a_sweep_of_no_paper_table_names_each_row_by_what_it_sweeps_and_lists_the_rest_beside():
+    """A plain sweep's report: each row is named by the overrides its job does not share with the others,
+    "other overrides" holds the shared ones only, and no line speaks of the paper's numbers."""
+    shared = ["backbone=tiny", "data=synthetic"]
+    jobs = [report.Job(str(n), None, [*shared, f"model.train_iters={n}"], []) for n in (2, 3)]
+    for job, epe in zip(jobs, (5.79, 6.01), strict=True):
+        job.status, job.results = "done", {"synthetic/epe": epe}
+    rows = report.report_rows(jobs, None, ["epe"])
+    assert [(row["row"], row["other_overrides"], row["synthetic/epe"]) for row in rows] == [
+        ("model.train_iters=2", "backbone=tiny data=synthetic", 5.79),
+        ("model.train_iters=3", "backbone=tiny data=synthetic", 6.01),
+    ]
+    text = report.markdown("Report of a sweep", None, rows, report.found_line(jobs, rows, 2))
+    assert "paper" not in text.lower()
+    assert "| model.train_iters=2 | model.train_iters=2 | done | 5.79 | - | backbone=tiny data=synthetic |" in text
+
+
 def test_report_table_that_names_no_table_is_one_line(tmp_path):
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text("[]\n")

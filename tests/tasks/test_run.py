@@ -137,6 +137,70 @@ def test_the_training_progress_bar_redraws_ten_times_a_second():
         bar.progress.stop()
 
 
+@pytest.mark.parametrize(
+    ("limits", "descriptions"),
+    [
+        ({"max_steps": 5, "max_epochs": -1}, ["Step 3/5", "Step 5/5"]),
+        ({"max_steps": -1, "max_epochs": 2}, ["Epoch 0/1", "Epoch 1/1"]),
+    ],
+    ids=["by steps", "by epochs"],
+)
+def test_the_training_bar_says_the_step_of_max_steps(limits, descriptions):
+    """The run's bar in a step-based fit (trainer.max_epochs: -1): the optimizer step of max_steps, current at each
+    batch, where Lightning's reads 'Epoch 1/-2'; with an epoch limit, Lightning's own."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    [bar] = [c for c in build_callbacks(compose_run_config([])) if isinstance(c, RichProgressBar)]
+    seen = []
+
+    class Described(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append(bar.progress.tasks[bar.train_progress_bar_id].description.strip())
+
+    class ThreeBatches(BoringModel):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(3, 32), batch_size=1)
+
+    trainer = L.Trainer(
+        **limits, callbacks=[bar, Described()], logger=False, enable_checkpointing=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(ThreeBatches())
+    assert seen == descriptions
+
+
+@pytest.mark.parametrize(
+    ("validates", "line"),
+    [
+        (True, "val/synthetic/epe = 0.5"),
+        (False, ("val/synthetic/epe: not measured: no validation ran in its 3 training steps "
+                 "(trainer.val_check_interval=500)")),
+    ],
+    ids=["validated", "stopped before validating"],
+)
+def test_a_fit_ends_with_its_monitored_value_or_why_it_has_none(validates, line, caplog):
+    """The last line of a fit: the monitored metric's value, or, where training stopped before its first
+    validation, that no validation ran, with the steps taken and trainer.val_check_interval (not '= None')."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from flowformer.tasks.run_setup import PreparedRun
+    from flowformer.tasks.train import monitored_value
+
+    class Validated(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/synthetic/epe", 0.5)
+
+    trainer = L.Trainer(
+        max_steps=3, val_check_interval=3 if validates else 500, check_val_every_n_epoch=None, limit_val_batches=1,
+        logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+    )
+    trainer.fit(Validated())
+    with caplog.at_level(logging.INFO, logger="flowformer.tasks.train"):
+        value = monitored_value(PreparedRun(trainer, "val/synthetic/epe"))
+    assert value == (0.5 if validates else None)
+    assert caplog.messages[-1] == line
+
+
 def test_twins_from_random_weights_in_a_fresh_run_is_one_warning(caplog):
     cfg = compose_run_config(["experiment=chairs"])  # FlowFormer's stage 1: ImageNet Twins
     settings = {
