@@ -6,7 +6,7 @@
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says, so a checkpoint cannot run code.
 - :class:`LastCheckpoint` writes ``<dir>/last.ckpt`` every ``every_n_train_steps``, when training ends (max
   steps, max time, max epochs), whatever validation says, and when a stop signal ends it early (SIGTERM,
-  SIGUSR1: flowformer/tasks/preemption.py), also during a validation; a resume runs the validation of the
+  SIGUSR1, Ctrl-C: flowformer/tasks/preemption.py), also during a validation; a resume runs the validation of the
   step it resumes at (:func:`validation_restart`); ``ModelCheckpoint`` keeps only the best by the monitor.
 - :class:`RandomStates` saves the global torch / numpy / Python random states, so a resumed run draws the same
   numbers (pixel noise, anything using the global stream) as the run it continues.

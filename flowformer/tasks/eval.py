@@ -28,6 +28,7 @@ A progress bar shows each set's pairs per second and the time left.
 rows `<set> (<method>)` and under `baselines` in the results file.
 Writes `eval.results_json` and prints a table; returns the first scored set's `epe` (for sweepers). An
 existing `eval.results_json` or submission folder is refused before any work unless `eval.overwrite=true`.
+Ctrl-C (or SIGTERM, SIGUSR1) ends the run at once with one line and status 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -58,6 +60,7 @@ from flowformer.tasks.runtime import (
     pair_progress,
     pick_device,
 )
+from flowformer.tasks.stop_signals import stopping_at_once
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +325,22 @@ def check_outputs(settings: DictConfig, protocols: list[Protocol], submission_di
 
 
 def run(cfg: DictConfig) -> float | None:
+    """task=eval: `evaluate`, which a stop signal (Ctrl-C, SIGTERM, SIGUSR1) ends at once with one line: the
+    results file is written once every set is evaluated, so it is not begun."""
+
+    def stopped(signum: signal.Signals) -> str:
+        submission = Path(cfg.eval.get("submission_dir") or "")
+        again = "run it again"
+        if submission.name and submission.is_dir() and any(submission.iterdir()):
+            again += f" with eval.overwrite=true (a submission was begun in {submission})"
+        return f"task=eval stopped by {signum.name}: {cfg.eval.results_json} is not written; {again}"
+
+    with stopping_at_once(stopped):
+        return evaluate(cfg)
+
+
+def evaluate(cfg: DictConfig) -> float | None:
+    """Scores the checkpoint on every set of cfg.eval (module docstring); writes eval.results_json."""
     settings = cfg.eval
     sets = open_sets(settings)
     methods = baseline_methods(settings.get("baselines") or [])

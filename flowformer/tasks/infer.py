@@ -236,7 +236,7 @@ def predict_pairs(
     kept = inference.keeping_weight_casts()
     with pair_progress() as progress, StopSignals() as stop, ExitStack() as on_exit, kept:
         for index, frame in enumerate(progress.track(frames, total=count - 1, description="flow")):
-            if stop.received:  # SIGTERM / SIGUSR1: the pairs done are complete, flow.mp4 is closed on exit
+            if stop.received:  # a stop signal: the pairs done are complete, flow.mp4 is closed on exit
                 raise StoppedBySignal(
                     stop.received,
                     f"task=infer stopped by {stop.received.name} after {index} of {count - 1} pairs: their "

@@ -35,8 +35,8 @@ Settings (`pipeline.*`, conf/pipeline/default.yaml; a protocol of conf/protocol/
   trainer.max_steps although the record does not say it finished (a write after it failed) is recorded as
   finished. The record's paths name the run directory it was written in; a resume in a copy or a moved one
   takes every path inside it to the same place there (check_record, moved_record). A damaged record is one
-  line naming it; a damaged evaluation result is evaluated again. SIGTERM or SIGUSR1 during an evaluation
-  stops it at once, recorded "stopped" (exit status 128 + the signal's number).
+  line naming it; a damaged evaluation result is evaluated again. A stop signal (SIGTERM, SIGUSR1, Ctrl-C)
+  during an evaluation stops it at once, recorded "stopped" (exit status 128 + the signal's number).
 
 Launchers (docs/cluster.md). A stage whose trainer starts processes of its own (`trainer=ddp
 trainer.devices=N`: Lightning's launcher starts each new rank by running the command line of the process it
@@ -464,7 +464,10 @@ def train_stage(
         if starts_processes(stage_cfg.trainer) and not launched:
             run_child(command, where, resume)
         else:
-            fit(stage_cfg)
+            try:
+                fit(stage_cfg)
+            except StoppedBySignal as stop:  # its line says how to resume the run, not the pipeline
+                raise stage_stopped(stop.signum, where, resume) from None
             close_loggers()
     except Exception as error:
         if launched and in_multirun():
@@ -488,6 +491,14 @@ class StageRunError(ValueError):
 
 # The line run.py prints for a user error (flowformer/tasks/__init__.py, report_error): `error (<type>): ...`.
 ERROR_LINE = re.compile(r"error(?: \((\w+)\))?: (.*)")
+
+
+def stage_stopped(signum: signal.Signals, where: str, resume: str) -> StoppedBySignal:
+    """A stage's training stopped by `signum` (its last.ckpt at the step in progress): the pipeline stops, its
+    line saying how to continue the pipeline (`resume`)."""
+    return StoppedBySignal(
+        signum, f"{where} was stopped by {signum.name} (its last.ckpt is kept); continue with {resume}"
+    )
 
 
 def run_child(command: list[str], where: str, resume: str) -> None:
@@ -515,7 +526,7 @@ def run_child(command: list[str], where: str, resume: str) -> None:
             signal.signal(signum, handler)
     stop = signal.Signals(status - 128) if status - 128 in [int(s) for s in STOP_SIGNALS] else None
     if (stop := stop or (received[0] if received and status != 0 else None)) is not None:
-        raise StoppedBySignal(stop, f"{where} was stopped by {stop.name} (its last.ckpt is kept); continue with {resume}")
+        raise stage_stopped(stop, where, resume)
     if status != 0:
         ending = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
         raise StageRunError(error_line or f"its training run {ending}")
@@ -785,7 +796,7 @@ class Pipeline:
                 command += [*config_overrides("backbone", eval_cfg.backbone), f"hydra.run.dir={path_value(eval_dir)}"]
                 run_child(command, f"pipeline {where}", self.continuation())
             else:
-                eval_task.run(eval_cfg)
+                eval_task.evaluate(eval_cfg)
         return first_epe(entry["results_json"])
 
     def evaluated_already(self, entry: dict[str, Any], overrides: list[str], sha: str | None, where: str) -> bool:

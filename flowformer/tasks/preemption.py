@@ -1,14 +1,15 @@
 """Stopping on a scheduler's signal without losing work, and a requeued SLURM job resuming by itself.
 
-SIGTERM (preemption, `scancel`, the end of a time limit, torchrun stopping its workers) and SIGUSR1 (SLURM's
-warning before the time limit, `#SBATCH --signal=SIGUSR1@90`) stop a run at the end of the unit of work in
-progress, with its files complete; the run logs one line (also into run.log) and exits with status 128 + the
-signal's number (143 for SIGTERM, 138 for SIGUSR1), so a scheduler sees a failure, not a success.
+SIGTERM (preemption, `scancel`, the end of a time limit, torchrun stopping its workers), SIGUSR1 (SLURM's
+warning before the time limit, `#SBATCH --signal=SIGUSR1@90`) and SIGINT (Ctrl-C) stop a run at the end of the
+unit of work in progress, with its files complete; the run logs one line (also into run.log) and exits with status
+128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT), so a scheduler sees a failure, not
+a success.
 
 - Training (task=train, task=pretrain) builds on Lightning: its SIGTERM handler sets
   `trainer.received_sigterm` and its loops raise `SIGTERMException` at the end of the step in progress; `LastCheckpoint` writes
-  `last.ckpt` at that step (flowformer/lit/checkpointing.py). :class:`Preemption` makes SIGUSR1 stop the same
-  way where nothing else handles it, and remembers which signal came. Under SLURM, Lightning's auto-requeue
+  `last.ckpt` at that step (flowformer/lit/checkpointing.py). :class:`Preemption` makes SIGINT, and SIGUSR1 where
+  nothing else handles it, stop the same way, and remembers which signal came. Under SLURM, Lightning's auto-requeue
   handles SIGUSR1 itself (`SLURMEnvironment`): it writes `hpc_ckpt_<n>.ckpt` into the run directory, runs
   `scontrol requeue <job>`, and SLURM's SIGTERM then stops the run as above. Where `scontrol` is not on PATH
   (a container), the requeue cannot happen: SIGUSR1 then stops the run as SIGTERM does, with one line saying
@@ -46,8 +47,9 @@ log = logging.getLogger(__name__)
 
 
 class Preemption(L.Callback):
-    """Training stops on SIGUSR1 as on SIGTERM (unless Lightning's SLURM auto-requeue handles SIGUSR1), and
-    ``received`` names the first stop signal. Installed when training starts, after Lightning's own handlers
+    """Training stops on SIGINT (Ctrl-C: Lightning would end it at once, unsaved, with KeyboardInterrupt) and
+    SIGUSR1 (unless Lightning's SLURM auto-requeue handles it) as on SIGTERM, and ``received`` names the first
+    stop signal. Installed when training starts, after Lightning's own handlers
     (which Lightning puts back when the trainer tears down).
 
     Processes forked while the trainer runs (DataLoader workers) ignore both signals: SLURM and a terminal
@@ -65,7 +67,8 @@ class Preemption(L.Callback):
         lightning_sigterm = signal.getsignal(signal.SIGTERM)
         for signum in STOP_SIGNALS:
             handler = signal.getsignal(signum)
-            if not callable(handler):  # SIGUSR1 outside SLURM: Lightning's SIGTERM handling, as for SIGTERM
+            # Ctrl-C, and SIGUSR1 outside SLURM: Lightning's SIGTERM handling
+            if signum == signal.SIGINT or not callable(handler):
                 handler = partial(lightning_sigterm, signal.SIGTERM)
             elif signum == signal.SIGUSR1 and shutil.which("scontrol") is None:  # Lightning's requeue would fail
                 handler = partial(_cannot_requeue, partial(lightning_sigterm, signal.SIGTERM))

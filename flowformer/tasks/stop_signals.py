@@ -1,4 +1,4 @@
-"""Stop signals (SIGTERM, SIGUSR1) for work that is not a Lightning training run: task=infer stops at the end
+"""Stop signals (SIGTERM, SIGUSR1, and SIGINT: Ctrl-C) for work that is not a Lightning training run: task=infer stops at the end
 of the image pair in progress (:class:`StopSignals`); a pipeline's evaluation stops at once
 (:func:`stopping_at_once`): it has nothing to save midway, and a resumed pipeline runs it again. Either way the
 run exits with status 128 + the signal's number (:class:`StoppedBySignal`). Training's handling builds on these
@@ -14,7 +14,10 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Self
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGINT is Ctrl-C in a terminal, which signals every process of the job as SLURM does: it stops a run as
+# SIGTERM does (status 130), with its work saved, where Python's KeyboardInterrupt would leave training's steps
+# since its last periodic last.ckpt unsaved
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StoppedBySignal(SystemExit):
@@ -23,11 +26,12 @@ class StoppedBySignal(SystemExit):
 
     def __init__(self, signum: signal.Signals, message: str) -> None:
         super().__init__(128 + int(signum))
+        self.signum = signum
         self.message = message
 
 
 class StopSignals:
-    """``with StopSignals() as stop:`` SIGTERM and SIGUSR1 set ``stop.received`` (the first one) instead of
+    """``with StopSignals() as stop:`` the stop signals set ``stop.received`` (the first one) instead of
     ending the process, for work that stops at a safe point of its own; the handlers before are put back."""
 
     def __init__(self) -> None:
@@ -49,10 +53,10 @@ class StopSignals:
 
 @contextmanager
 def stopping_at_once(stopped: Callable[[signal.Signals], str]) -> Iterator[None]:
-    """``with stopping_at_once(line):`` the first SIGTERM or SIGUSR1 raises StoppedBySignal (its line:
+    """``with stopping_at_once(line):`` the first stop signal raises StoppedBySignal (its line:
     ``line(signal)``) wherever the main thread is, for work with nothing to save midway (files are written
     atomically, so none is left half-written); later ones are ignored. Processes forked meanwhile (DataLoader
-    workers) ignore both; the handlers before are put back."""
+    workers) ignore them; the handlers before are put back."""
     received: list[signal.Signals] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:

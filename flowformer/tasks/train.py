@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     """Train as configured. Returns (monitored metric: best checkpoint score or last value, the trainer). A
-    requeued SLURM job resumes from its previous run's checkpoint; a stop signal (SIGTERM, SIGUSR1) ends
+    requeued SLURM job resumes from its previous run's checkpoint; a stop signal (SIGTERM, SIGUSR1, Ctrl-C) ends
     training after the step in progress, with last.ckpt at that step (StoppedBySignal)."""
     set_per_process_batch(cfg)
     seed_run(cfg.seed)

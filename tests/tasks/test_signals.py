@@ -1,4 +1,4 @@
-"""Preemption and signals: SIGTERM and SIGUSR1 stop training and pretraining after the step in progress with
+"""Preemption and signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) stop training and pretraining after the step in progress with
 last.ckpt at that step, one line in run.log and a non-zero status (DataLoader workers that get the signal too
 included); a run stopped during a validation (or killed after last.ckpt at that step) resumes by running that
 whole validation, then as the uninterrupted run; under SLURM, Lightning's auto-requeue requeues the job and
@@ -7,6 +7,7 @@ and a playable flow.mp4; Ctrl-C during a checkpoint write leaves no temporary fi
 
 import contextlib
 import csv
+import json
 import os
 import shutil
 import signal
@@ -29,10 +30,11 @@ from flowformer.lit.checkpointing import LastCheckpoint, RandomStates, SafeCheck
 from flowformer.lit.metrics_csv import SafeCSVLogger
 from flowformer.models import save_backbone
 from flowformer.tasks.preemption import Preemption
+from flowformer.tasks.stop_signals import STOP_SIGNALS
 
 from helpers.configs import REPO_DIR, build_backbone
 from helpers.faults import SignalAtStep
-from helpers.run import run_py, start_run_py
+from helpers.run import fresh_checkout, run_py, start_run_py
 from helpers.trainers import LinearModule, cpu_trainer, linear_loader
 
 ENV = {"PYTHONPATH": str(REPO_DIR / "tests")}
@@ -69,11 +71,12 @@ def saved_step(checkpoint: Path) -> int:
 
 
 
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIGINT"])
 def test_lightning_stops_after_the_step_a_signal_came_in(tmp_path, name):
-    """What the stop builds on: Lightning notes SIGTERM (Preemption turns SIGUSR1 into it), finishes the step,
-    raises SIGTERMException out of fit, and puts the signal handlers back when the trainer tears down."""
-    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    """What the stop builds on: Lightning notes SIGTERM (Preemption turns SIGUSR1 and SIGINT into it: Lightning
+    alone ends a fit at once on Ctrl-C, unsaved), finishes the step, raises SIGTERMException out of fit, and puts
+    the signal handlers back when the trainer tears down."""
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     preemption = Preemption()
     trainer = cpu_trainer(
         enable_checkpointing=True,
@@ -88,9 +91,10 @@ def test_lightning_stops_after_the_step_a_signal_came_in(tmp_path, name):
     assert {signum: signal.getsignal(signum) for signum in before} == before
 
 
-@pytest.mark.parametrize(("task", "name"), [("train", "SIGTERM"), ("pretrain", "SIGUSR1")])
+@pytest.mark.parametrize(("task", "name"), [("train", "SIGTERM"), ("pretrain", "SIGUSR1"), ("train", "SIGINT")])
 def test_a_signal_to_the_whole_job_saves_last_ckpt_at_that_step_and_fails(tmp_path, task, name):
-    """As SLURM or a terminal does it: the signal reaches the DataLoader workers too."""
+    """As SLURM or a terminal does it (Ctrl-C: SIGINT, status 130): the signal reaches the DataLoader workers
+    too."""
     overrides = TRAIN if task == "train" else PRETRAIN
     run_dir = tmp_path / "run"
     result = run_py(
@@ -113,6 +117,40 @@ def test_a_signal_to_the_whole_job_saves_last_ckpt_at_that_step_and_fails(tmp_pa
     )
     assert "Traceback" not in result.stderr and "DataLoader worker" not in result.stderr
     assert not list(run_dir.rglob("*.partial"))
+
+
+def test_ctrl_c_in_the_demos_finetuning_stops_its_pipeline_saved_and_says_how_to_continue(tmp_path):
+    """`make demo`'s command in a fresh checkout, Ctrl-C (SIGINT to the whole job, as a terminal sends it) while
+    its finetuning stage trains in the pipeline's process: status 130, the stage's last.ckpt at the step in
+    progress, pipeline.json "stopped", and one line saying to continue the pipeline, not the stage's run."""
+    checkout = fresh_checkout(tmp_path)
+    process = start_run_py("experiment=quickstart", cwd=checkout, new_session=True)
+    runs = checkout / "logs" / "quickstart" / "quickstart" / "runs"
+    deadline = time.monotonic() + 300
+
+    def finetuning() -> bool:
+        records = [json.loads(path.read_text()) for path in runs.glob("*/pipeline.json")]
+        return any(record["stages"][-1]["status"] == "running" for record in records)
+
+    while not finetuning():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the finetuning stage did not start: {process.communicate()[1][-3000:]}")
+        time.sleep(0.5)
+    time.sleep(8)  # well inside its 1200 steps
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    [run_dir] = runs.iterdir()
+    record = json.loads((run_dir / "pipeline.json").read_text())
+    assert record["status"] == "stopped" and [stage["status"] for stage in record["stages"]] == ["done", "stopped"]
+    assert 0 < saved_step(run_dir / "finetune" / "checkpoints" / "last.ckpt") < 1200
+    lines = [line for line in (stdout + stderr).splitlines() if "stopped by SIGINT" in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stdout[-3000:] + stderr[-3000:]
+    assert lines[0].endswith(
+        "pipeline stage 2/2 finetune was stopped by SIGINT (its last.ckpt is kept); continue with "
+        f"pipeline.resume={run_dir}"
+    )
 
 
 SLURM_JOB = {
@@ -223,6 +261,36 @@ def test_sigterm_during_infer_leaves_complete_files_and_a_playable_video(tmp_pat
     video.release()
     log = (tmp_path / "run" / "run.log").read_text()
     assert f"task=infer stopped by SIGTERM after {len(flows)} of 59 pairs" in log
+
+
+def test_ctrl_c_during_eval_ends_it_at_once_with_one_line_and_no_results_file(tmp_path):
+    """task=eval on 100000 synthetic pairs, Ctrl-C (SIGINT to its process group, as a terminal sends it) once
+    it evaluates: status 130, no results file, one line saying so, no traceback (Python's KeyboardInterrupt)."""
+    checkpoint = tmp_path / "tiny.pt"
+    save_backbone(checkpoint, build_backbone())
+    run_dir = tmp_path / "run"
+    process = start_run_py(
+        "task=eval",
+        "backbone=tiny",
+        "eval=synthetic",
+        f"eval.checkpoint={checkpoint}",
+        "eval.benchmarks.synthetic.dataset.num_samples=100000",
+        f"hydra.run.dir={run_dir}",
+        new_session=True,
+    )
+    deadline, log = time.monotonic() + 120, run_dir / "run.log"
+    while not log.is_file() or "evaluating synthetic" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the evaluation did not start: {process.communicate()[1][-3000:]}")
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert "Traceback" not in stderr and not (run_dir / "eval_results.json").exists()
+    lines = [line for line in log.read_text().splitlines() if "stopped by" in line]
+    assert len(lines) == 1
+    assert lines[0].endswith(f"task=eval stopped by SIGINT: {run_dir / 'eval_results.json'} is not written; run it again")
 
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier last.ckpt", "first write"])
