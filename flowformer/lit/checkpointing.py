@@ -69,9 +69,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
 class LastCheckpoint(Checkpoint):
     """``<dirpath>/last.ckpt``: the full training state every ``every_n_train_steps`` optimiser steps, at the
-    end of training, and at the step a stop signal came in: Lightning notes SIGTERM
-    (``trainer.received_sigterm``) and ends training with ``SIGTERMException`` after that step, or after the
-    validation batch in progress when the step is followed by a validation; and when input files disappear
+    end of training, and at the step a stop signal came in: Preemption (flowformer/tasks/preemption.py) sets
+    ``trainer.received_sigterm`` and Lightning ends training with ``SIGTERMException`` after that step, or after
+    the validation batch in progress when the step is followed by a validation; and when input files disappear
     during the run (``InputsGoneError``: the state is whole, the data is not). A ``Checkpoint`` subclass, so
     Lightning runs it after the other callbacks of a step.
 
@@ -103,9 +103,8 @@ class LastCheckpoint(Checkpoint):
         self._before_validation = None
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        # every process of a DDP run decides alike: a signal seen by one of them saves on all
-        stop = trainer.strategy.reduce_boolean_decision(trainer.received_sigterm, all=False)
-        if trainer.global_step % self.every_n_train_steps == 0 or stop:
+        # a stop the processes of a DDP run agreed on in this step's Preemption callback (run before this one)
+        if trainer.global_step % self.every_n_train_steps == 0 or trainer.received_sigterm:
             self._save(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -6,10 +6,10 @@ unit of work in progress, with its files complete; the run logs one line (also i
 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT), so a scheduler sees a failure, not
 a success.
 
-- Training (task=train, task=pretrain) builds on Lightning: its SIGTERM handler sets
-  `trainer.received_sigterm` and its loops raise `SIGTERMException` at the end of the step in progress; `LastCheckpoint` writes
-  `last.ckpt` at that step (flowformer/lit/checkpointing.py). :class:`Preemption` makes SIGINT, and SIGUSR1 where
-  nothing else handles it, stop the same way, and remembers which signal came. Under SLURM, Lightning's auto-requeue
+- Training (task=train, task=pretrain) builds on Lightning's stop: :class:`Preemption`'s handlers set
+  `trainer.received_sigterm` (in a DDP run once the processes agree), Lightning's loops raise `SIGTERMException`
+  at the end of the step in progress, and `LastCheckpoint` writes `last.ckpt` at that step
+  (flowformer/lit/checkpointing.py). Preemption remembers which signal came. Under SLURM, Lightning's auto-requeue
   handles SIGUSR1 itself (`SLURMEnvironment`): it writes `hpc_ckpt_<n>.ckpt` into the run directory, runs
   `scontrol requeue <job>`, and SLURM's SIGTERM then stops the run as above. Where `scontrol` is not on PATH
   (a container), the requeue cannot happen: SIGUSR1 then stops the run as SIGTERM does, with one line saying
@@ -47,38 +47,56 @@ log = logging.getLogger(__name__)
 
 
 class Preemption(L.Callback):
-    """Training stops on SIGINT (Ctrl-C: Lightning would end it at once, unsaved, with KeyboardInterrupt) and
-    SIGUSR1 (unless Lightning's SLURM auto-requeue handles it) as on SIGTERM, and ``received`` names the first
-    stop signal. Installed when training starts, after Lightning's own handlers
+    """Training stops on SIGTERM, SIGINT (Ctrl-C: Lightning would end it at once, unsaved, with
+    KeyboardInterrupt) and SIGUSR1 (unless Lightning's SLURM auto-requeue handles it) after the step in progress,
+    through Lightning's own stop (``trainer.received_sigterm``, which its loops check: `SIGTERMException`), and
+    ``received`` names the first stop signal. Installed when training starts, after Lightning's own handlers
     (which Lightning puts back when the trainer tears down).
 
-    Processes forked while the trainer runs (DataLoader workers) ignore both signals: SLURM and a terminal
+    The handlers replace Lightning's SIGTERM handler, which (Lightning 2.6) broadcasts from inside the signal
+    handler: a collective at whatever point each process was interrupted, which deadlocks a DDP run whose other
+    processes are in another collective (a step's gradients). Here a signal only requests the stop. With one
+    process the stop is set at once (a validation in progress stops after its batch); with several, at the end
+    of the training step where the processes agree that one of them was signalled (one collective a step,
+    `on_train_batch_end`), so that all stop after that same step, whichever of them got a signal and when.
+
+    Processes forked while the trainer runs (DataLoader workers) ignore the stop signals: SLURM and a terminal
     signal every process of the job, and a worker killed by one would end the main process with an error
     before it could save; the main process ends its workers when it stops. (Lightning creates the first
     workers before ``on_train_start``, and they would otherwise inherit its handlers.)"""
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
+        self._trainer: L.Trainer | None = None
+        self._stop_requested = False  # by a stop signal's handler; Lightning's SLURM requeue stops through SIGTERM
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         forked_children.ignore_stop_signals = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        lightning_sigterm = signal.getsignal(signal.SIGTERM)
+        self._trainer = trainer
         for signum in STOP_SIGNALS:
             handler = signal.getsignal(signum)
-            # Ctrl-C, and SIGUSR1 outside SLURM: Lightning's SIGTERM handling
-            if signum == signal.SIGINT or not callable(handler):
-                handler = partial(lightning_sigterm, signal.SIGTERM)
-            elif signum == signal.SIGUSR1 and shutil.which("scontrol") is None:  # Lightning's requeue would fail
-                handler = partial(_cannot_requeue, partial(lightning_sigterm, signal.SIGTERM))
-            else:
+            if signum != signal.SIGUSR1 or not callable(handler):  # SIGUSR1 outside SLURM stops as SIGTERM does
+                handler = self._request_stop
+            elif shutil.which("scontrol") is None:  # Lightning's SLURM requeue would fail
+                handler = partial(_cannot_requeue, self._request_stop)
+            else:  # Lightning's SLURM auto-requeue
                 handler = partial(handler, signum)
             signal.signal(signum, partial(self._note, handler))
 
     def _note(self, handler: Callable[[FrameType | None], Any], signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)
         handler(frame)
+
+    def _request_stop(self, frame: FrameType | None) -> None:
+        self._stop_requested = True
+        if self._trainer is not None and self._trainer.world_size == 1:
+            self._trainer._signal_connector.received_sigterm = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(self._stop_requested, all=False):
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException

@@ -119,6 +119,23 @@ def test_a_signal_to_the_whole_job_saves_last_ckpt_at_that_step_and_fails(tmp_pa
     assert not list(run_dir.rglob("*.partial"))
 
 
+def test_ctrl_c_to_a_ddp_run_stops_both_processes_after_one_step_with_last_ckpt(tmp_path):
+    """Ctrl-C (SIGINT to every process, as a terminal sends it) during step 3 of a 2-process DDP run that
+    Lightning launched (gloo, CPU): both processes stop after that step, last.ckpt holds it, status 130, no hang.
+    Lightning 2.6's SIGTERM handler broadcast from inside the signal handler, which deadlocked such a run whose
+    processes were in another collective (docs/reliability.md)."""
+    run_dir = tmp_path / "run"
+    ddp = ("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.precision=32-true")
+    result = run_py(
+        *TRAIN, *ddp, "trainer.max_steps=50", f"hydra.run.dir={run_dir}", *signal_at(2, "SIGINT", group=True),
+        env={**ENV, "OMP_NUM_THREADS": "1"}, expect_ok=False, new_session=True, timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert saved_step(run_dir / "checkpoints" / "last.ckpt") == 3
+    assert output.count("training stopped by SIGINT at step 3") == 2  # one line from each process
+
+
 def test_ctrl_c_in_the_demos_finetuning_stops_its_pipeline_saved_and_says_how_to_continue(tmp_path):
     """`make demo`'s command in a fresh checkout, Ctrl-C (SIGINT to the whole job, as a terminal sends it) while
     its finetuning stage trains in the pipeline's process: status 130, the stage's last.ckpt at the step in
