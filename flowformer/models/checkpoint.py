@@ -8,6 +8,7 @@ plain values only, so `torch.load(weights_only=True)` reads it.
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import re
@@ -250,14 +251,48 @@ def load_backbone_weights(
     """Load our backbone file, an official `.pth` (with or without `module.`) or a Lightning `.ckpt` of a
     FlowModule/MCVAPretrainModule/UnsupervisedPretrainModule into `net`, strictly except for keys starting with
     one of `skip_prefixes`."""
-    state, kind, _ = _unwrap(read_checkpoint(path, net), path)
+    state, kind, stored = _unwrap(read_checkpoint(path, net), path)
     skip = tuple(skip_prefixes)
-    skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
+    try:
+        skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
+    except CheckpointMismatchError as error:
+        if (differing := architecture_difference(stored, getattr(net, "config", None))) is None:
+            raise
+        raise CheckpointMismatchError(f"{error}\n{differing}") from None
     kept = {k: v for k, v in _as_network_dtypes(net, state).items() if not (skip and k.startswith(skip))}
     net.load_state_dict(kept, strict=not skip)
     if skipped:
         log.info("load_backbone_weights(%s): skipped %d keys: %s", path, len(skipped), skipped)
     return LoadReport(source=kind, loaded=len(kept), skipped=skipped)
+
+
+# Backbone knobs that set how a network computes or where its first weights come from, not which weights it has.
+COMPUTATION_KNOBS = ("twins_weights", "tokenize_chunk", "memory_budget_gb", "activation_checkpoint")
+
+
+def architecture_difference(stored: Mapping[str, Any] | None, config: Mapping[str, Any] | None) -> str | None:
+    """For a checkpoint that does not fit a network: the line naming each knob of the backbone the checkpoint
+    stores (`stored`: our file's config, a Lightning .ckpt's `backbone` hyper-parameters) that the network's
+    knobs (`config`) set otherwise, as overrides that would build the checkpoint's network; None where either is
+    unknown (an official .pth stores none) or no knob differs."""
+    if stored is None or config is None:
+        return None
+    knobs = current_backbone_config(stored)
+    def written(value: Any) -> str:  # as an override's value: null, true, [16,24,32], "cnn"
+        return json.dumps(value, separators=(",", ":"))
+
+    differing = [
+        f"backbone.{key}={written(value)} (here {written(config.get(key))})"
+        for key, value in knobs.items()
+        if key != "_target_" and key not in COMPUTATION_KNOBS and value != config.get(key)
+    ]
+    if not differing:
+        return None
+    return (
+        "The checkpoint's network was built with other backbone settings: "
+        + ", ".join(differing)
+        + "; run with those (or the backbone=<config> it was trained with)."
+    )
 
 
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:

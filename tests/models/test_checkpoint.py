@@ -125,6 +125,19 @@ def test_mismatch_lists_missing_unexpected_and_shapes(tmp_path: Path) -> None:
     assert "shape mismatches (1)" in text and "memory_decoder.proj.weight: checkpoint (3, 3, 1, 1)" in text
 
 
+def test_a_checkpoint_of_other_backbone_settings_names_them_as_overrides(tmp_path: Path) -> None:
+    """A backbone file loaded into a network of other knobs (`task=infer backbone=<another>`): the error ends
+    with each knob the checkpoint's network was built with, as the override that builds it (knobs that shape
+    no weight, such as tokenize_chunk, left out)."""
+    save_backbone(tmp_path / "tiny.pt", build_backbone(tokenize_chunk=None))
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_backbone_weights(build_backbone(agt_depth=2, decoder_dim=64), tmp_path / "tiny.pt")
+    assert str(err.value).endswith(
+        "The checkpoint's network was built with other backbone settings: backbone.agt_depth=1 (here 2), "
+        "backbone.decoder_dim=32 (here 64); run with those (or the backbone=<config> it was trained with)."
+    )
+
+
 def test_load_official_refuses_the_other_variant(tmp_path: Path) -> None:
     path = official_file(tmp_path, build_backbone(variant="flowformer"))
     with pytest.raises(CheckpointMismatchError, match="channel_convertor"):
