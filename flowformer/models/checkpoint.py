@@ -278,6 +278,7 @@ def architecture_difference(stored: Mapping[str, Any] | None, config: Mapping[st
     if stored is None or config is None:
         return None
     knobs = current_backbone_config(stored)
+
     def written(value: Any) -> str:  # as an override's value: null, true, [16,24,32], "cnn"
         return json.dumps(value, separators=(",", ":"))
 
