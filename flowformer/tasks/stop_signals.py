@@ -1,9 +1,9 @@
 """Stop signals (SIGTERM, SIGUSR1, and SIGINT: Ctrl-C) for work that is not a Lightning training run: task=infer
 stops at the end of the image pair in progress (:class:`StopSignals`); task=eval and a pipeline's evaluation stop
-at once (:func:`stopping_at_once`): they have nothing to save midway, and a run again evaluates again. Either way the
-run exits with status 128 + the signal's number (:class:`StoppedBySignal`). Training's handling builds on these
-(flowformer/tasks/preemption.py); this module imports no Lightning, so the tasks that never train start without
-it."""
+at once (:func:`stopping_at_once`): they have nothing to save midway, and running them again evaluates again.
+Either way the run exits with status 128 + the signal's number (:class:`StoppedBySignal`). Training's handling
+builds on these (flowformer/tasks/preemption.py); this module imports no Lightning, so the tasks that never train
+start without it."""
 
 from __future__ import annotations
 
