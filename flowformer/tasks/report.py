@@ -487,9 +487,15 @@ def differing_overrides(jobs: list[Job]) -> dict[str, list[str]]:
     }
 
 
+def job_name(job: Job, differing: list[str]) -> str:
+    """A job's name: its differing overrides (`differing_overrides`), else its folder."""
+    return ",".join(differing) or job.name
+
+
 def job_names(jobs: list[Job]) -> dict[str, str]:
-    """Each job's name: its differing overrides, else its folder."""
-    return {name: ",".join(differing) or name for name, differing in differing_overrides(jobs).items()}
+    """Each job's name (`job_name`)."""
+    differing = differing_overrides(jobs)
+    return {job.name: job_name(job, differing[job.name]) for job in jobs}
 
 
 def paper_columns(table: dict[str, Any] | None) -> list[str]:
@@ -530,7 +536,7 @@ def job_row(
     name: `differing`, its overrides that other jobs do not share), name, status, each paper column's value /
     published / difference, every other measured value, the overrides beyond its row (beyond its name without a
     paper row), parameter counts (millions), training seconds, error."""
-    name = ",".join(differing) or job.name
+    name = job_name(job, differing)
     published = paper.get("published") or {}
     row: dict[str, Any] = {"row": paper.get("label") or name, "job": name, "status": job.status}
     compared = paper_columns(table)

@@ -243,9 +243,15 @@ def frame_folder(tmp_path) -> Path:
     return folder
 
 
-def test_sigterm_during_infer_leaves_complete_files_and_a_playable_video(tmp_path, frame_folder):
-    checkpoint = tmp_path / "tiny.pt"
-    save_backbone(checkpoint, build_backbone())
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """The tiny network's random weights, in our backbone file."""
+    path = tmp_path / "tiny.pt"
+    save_backbone(path, build_backbone())
+    return path
+
+
+def test_sigterm_during_infer_leaves_complete_files_and_a_playable_video(tmp_path, frame_folder, checkpoint):
     out = tmp_path / "out"
     process = start_run_py(
         "task=infer",
@@ -276,11 +282,9 @@ def test_sigterm_during_infer_leaves_complete_files_and_a_playable_video(tmp_pat
     assert f"task=infer stopped by SIGTERM after {len(flows)} of 59 pairs" in log
 
 
-def test_ctrl_c_during_eval_ends_it_at_once_with_one_line_and_no_results_file(tmp_path):
+def test_ctrl_c_during_eval_ends_it_at_once_with_one_line_and_no_results_file(tmp_path, checkpoint):
     """task=eval on 100000 synthetic pairs, Ctrl-C (SIGINT to its process group, as a terminal sends it) once
     it evaluates: status 130, no results file, one line saying so, no traceback (Python's KeyboardInterrupt)."""
-    checkpoint = tmp_path / "tiny.pt"
-    save_backbone(checkpoint, build_backbone())
     run_dir = tmp_path / "run"
     process = start_run_py(
         "task=eval",
