@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from flowformer.data.loader_settings import LoaderSettings, check_loader_settings, resolve_loader_settings
 from flowformer.data.sampling import ResumableSampler
+from flowformer.stop_signals import worker_ignores_stop_signals
 
 __all__ = ["FlowDataModule", "PretrainDataModule"]
 
@@ -56,6 +60,16 @@ def collate_pairs(items: list[dict[str, Any]]) -> dict[str, Any]:
     if any("meta" in item for item in items):
         batch["meta"] = [item.get("meta", {}) for item in items]
     return batch
+
+
+def start_worker(worker_id: int, rank: int) -> None:
+    """Each DataLoader worker as it starts: it ignores the stop signals as it was forked to (SLURM and a terminal
+    signal every process of the job; the training process stops and ends its workers), and it is seeded as
+    Lightning's ``seed_everything(workers=True)`` seeds it (which Lightning does only for a loader that has no
+    worker_init_fn). `rank`: the loader's process's global rank, as Lightning passes it."""
+    worker_ignores_stop_signals(worker_id)
+    if int(os.environ.get("PL_SEED_WORKERS", "0")):
+        pl_worker_init_function(worker_id, rank)
 
 
 def _check_batch_size(owner: str, batch_size: int) -> None:
@@ -122,6 +136,7 @@ class _TrainingData(L.LightningDataModule):
             drop_last=sampler is not None,
             collate_fn=collate_pairs,
             generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=partial(start_worker, rank=self.trainer.global_rank if self.trainer else 0),
             **(settings or self.loader_settings()).dataloader_kwargs(),
         )
 

@@ -25,9 +25,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from flowformer.models.output_files import OutputWriteError
+from flowformer.stop_signals import StoppedBySignal
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 from flowformer.tasks.runtime import configure_runtime
-from flowformer.tasks.stop_signals import StoppedBySignal
 from flowformer.tasks.sweeps import in_multirun, record_failed_job
 
 log = logging.getLogger(__name__)

@@ -52,6 +52,7 @@ from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
+from flowformer.stop_signals import stopping_at_once, worker_ignores_stop_signals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
     InferenceContext,
@@ -60,7 +61,6 @@ from flowformer.tasks.runtime import (
     pair_progress,
     pick_device,
 )
-from flowformer.tasks.stop_signals import stopping_at_once
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ def evaluate_set(
         batch_size=1,
         num_workers=num_workers,
         collate_fn=_single,
+        worker_init_fn=worker_ignores_stop_signals,
     )
     warm = WarmStart() if warm_start else None
     missing_truth = 0  # ground-truth pixels that are NaN or inf: left out as invalid (flowformer/metrics.py)

@@ -39,6 +39,7 @@ from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
+from flowformer.stop_signals import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
 from flowformer.tasks.runtime import (
     InferenceContext,
@@ -47,7 +48,6 @@ from flowformer.tasks.runtime import (
     pair_progress,
     pick_device,
 )
-from flowformer.tasks.stop_signals import StoppedBySignal, StopSignals
 from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)

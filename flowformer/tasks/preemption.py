@@ -9,16 +9,17 @@ a success.
 - Training (task=train, task=pretrain) builds on Lightning's stop: :class:`Preemption`'s handlers set
   `trainer.received_sigterm` (in a DDP run once the processes agree), Lightning's loops raise `SIGTERMException`
   at the end of the step in progress, and `LastCheckpoint` writes `last.ckpt` at that step
-  (flowformer/lit/checkpointing.py). Preemption remembers which signal came. Under SLURM, Lightning's auto-requeue
-  handles SIGUSR1 itself (`SLURMEnvironment`): it writes `hpc_ckpt_<n>.ckpt` into the run directory, runs
-  `scontrol requeue <job>`, and SLURM's SIGTERM then stops the run as above. Where `scontrol` is not on PATH
-  (a container), the requeue cannot happen: SIGUSR1 then stops the run as SIGTERM does, with one line saying
-  why, so the job can be resubmitted.
+  (flowformer/lit/checkpointing.py). Preemption remembers which signal came. Under SLURM with auto-requeue
+  (Lightning's `SLURMEnvironment`, its default), SIGUSR1 then requeues the job (:func:`requeue_if_warned`):
+  once the run has stopped and `last.ckpt` is written, every process ignores SIGTERM (the requeue's) and
+  global rank 0 runs `scontrol requeue <job>`. (Lightning's own handler wrote `hpc_ckpt_<n>.ckpt` and requeued
+  from inside the signal handler: mid-step, before `last.ckpt`, and in a DDP run a collective at whatever point
+  each process was interrupted.) Where `scontrol` is not on PATH (a container), the requeue cannot happen:
+  the run says why in one line, so the job can be resubmitted.
 - A requeued SLURM job runs the same command again, in a new run directory: :func:`resume_requeued_job` sets
   its `ckpt_path` to the `last.ckpt` the job's previous run recorded (:func:`record_for_requeue`), so it
-  continues exactly as `ckpt_path=<that file>` would (Lightning's `hpc_ckpt_<n>.ckpt`, written in the middle
-  of a step, is not used).
-- task=infer and a pipeline's evaluation stop with flowformer/tasks/stop_signals.py, which imports no Lightning.
+  continues exactly as `ckpt_path=<that file>` would.
+- task=infer and a pipeline's evaluation stop with flowformer/stop_signals.py, which imports no Lightning.
 """
 
 from __future__ import annotations
@@ -28,34 +29,35 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable
-from functools import partial
+import subprocess
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
-from flowformer.tasks.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children
+from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children
 
 log = logging.getLogger(__name__)
 
 
 class Preemption(L.Callback):
     """Training stops on SIGTERM, SIGINT (Ctrl-C: Lightning would end it at once, unsaved, with
-    KeyboardInterrupt) and SIGUSR1 (unless Lightning's SLURM auto-requeue handles it) after the step in progress,
-    through Lightning's own stop (``trainer.received_sigterm``, which its loops check: `SIGTERMException`), and
-    ``received`` names the first stop signal. Installed when training starts, after Lightning's own handlers
-    (which Lightning puts back when the trainer tears down).
+    KeyboardInterrupt) and SIGUSR1 after the step in progress, through Lightning's own stop
+    (``trainer.received_sigterm``, which its loops check: `SIGTERMException`), and ``received`` names the first
+    stop signal. Installed when training starts, after Lightning's own handlers (which Lightning puts back when
+    the trainer tears down).
 
-    The handlers replace Lightning's SIGTERM handler, which (Lightning 2.6) broadcasts from inside the signal
-    handler: a collective at whatever point each process was interrupted, which deadlocks a DDP run whose other
-    processes are in another collective (a step's gradients). Here a signal only requests the stop. With one
+    The handlers replace Lightning's SIGTERM handler and its SLURM SIGUSR1 handler, which (Lightning 2.6) make
+    collectives from inside the signal handler (a broadcast; a checkpoint's save and barrier): at whatever
+    point each process was interrupted, which deadlocks a DDP run whose other processes are in another
+    collective (a step's gradients). Here a signal only requests the stop. With one
     process the stop is set at once (a validation in progress stops after its batch); with several, at the end
     of the training step where the processes agree that one of them was signalled (one collective a step,
     `on_train_batch_end`), so that all stop after that same step, whichever of them got a signal and when.
@@ -68,7 +70,7 @@ class Preemption(L.Callback):
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
         self._trainer: L.Trainer | None = None
-        self._stop_requested = False  # by a stop signal's handler; Lightning's SLURM requeue stops through SIGTERM
+        self._stop_requested = False  # by a stop signal's handler
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         forked_children.ignore_stop_signals = True
@@ -76,20 +78,10 @@ class Preemption(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._trainer = trainer
         for signum in STOP_SIGNALS:
-            handler = signal.getsignal(signum)
-            if signum != signal.SIGUSR1 or not callable(handler):  # SIGUSR1 outside SLURM stops as SIGTERM does
-                handler = self._request_stop
-            elif shutil.which("scontrol") is None:  # Lightning's SLURM requeue would fail
-                handler = partial(_cannot_requeue, self._request_stop)
-            else:  # Lightning's SLURM auto-requeue
-                handler = partial(handler, signum)
-            signal.signal(signum, partial(self._note, handler))
+            signal.signal(signum, self._request_stop)
 
-    def _note(self, handler: Callable[[FrameType | None], Any], signum: int, frame: FrameType | None) -> None:
+    def _request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)
-        handler(frame)
-
-    def _request_stop(self, frame: FrameType | None) -> None:
         self._stop_requested = True
         if self._trainer is not None and self._trainer.world_size == 1:
             self._trainer._signal_connector.received_sigterm = True
@@ -107,22 +99,15 @@ class Preemption(L.Callback):
         forked_children.ignore_stop_signals = False
 
 
-def _cannot_requeue(stop: Callable[[FrameType | None], Any], frame: FrameType | None) -> None:
-    """SIGUSR1 under SLURM where `scontrol` is not on PATH (a container): Lightning's auto-requeue would fail
-    and training would run on, so the run says why and stops as on SIGTERM (`stop`), saving last.ckpt."""
-    log.warning(
-        "SIGUSR1: SLURM job %s cannot be requeued: scontrol is not on PATH (%s); stopping after the step in "
-        "progress with last.ckpt saved, so the job can be resubmitted",
-        os.environ.get("SLURM_JOB_ID", "?"),
-        os.environ.get("PATH", ""),
-    )
-    stop(frame)
+def received_signal(trainer: L.Trainer) -> signal.Signals | None:
+    """The first stop signal this process got while `trainer` trained (its Preemption callback noted it)."""
+    preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
+    return preemption.received if preemption else None
 
 
 def stopped_training(trainer: L.Trainer) -> StoppedBySignal:
     """What a training run stopped by a signal reports: the signal, the step, where `last.ckpt` is."""
-    preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
-    signum = (preemption.received if preemption else None) or signal.SIGTERM
+    signum = received_signal(trainer) or signal.SIGTERM
     last = last_checkpoint_path(trainer)
     saved = (
         f"{last} holds that step; resume with ckpt_path={last}"
@@ -132,6 +117,44 @@ def stopped_training(trainer: L.Trainer) -> StoppedBySignal:
     return StoppedBySignal(
         signum, f"training stopped by {signum.name} at step {trainer.global_step}: {saved}"
     )
+
+
+def requeue_if_warned(trainer: L.Trainer) -> None:
+    """After training stopped on a signal (on every process, once last.ckpt is written): when one of the
+    processes got SLURM's warning signal (SIGUSR1) in a job Lightning auto-requeues, every process ignores
+    SIGTERM from now on (the run is over and saved; the requeue sends it to every process of the job) and
+    global rank 0 runs `scontrol requeue <job>`, logging what it did."""
+    environment = trainer._accelerator_connector.cluster_environment
+    if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
+        return
+    warned = received_signal(trainer) == signal.SIGUSR1
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # every process stopped after the same step (Preemption), so each makes this collective, after ignoring SIGTERM
+    if not trainer.strategy.reduce_boolean_decision(warned, all=False):
+        signal.signal(signal.SIGTERM, previous)
+        return
+    if not trainer.is_global_zero:
+        return
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")  # an array's task is requeued by <array job>_<task>
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    if shutil.which("scontrol") is None:
+        log.warning(
+            "SIGUSR1: SLURM job %s cannot be requeued: scontrol is not on PATH (%s); resubmit it",
+            job,
+            os.environ.get("PATH", ""),
+        )
+        return
+    status = subprocess.run(["scontrol", "requeue", job], check=False, capture_output=True, text=True)
+    if status.returncode == 0:
+        log.info("SIGUSR1: SLURM job %s is requeued (scontrol requeue %s)", job, job)
+    else:
+        log.warning(
+            "SIGUSR1: SLURM job %s could not be requeued: scontrol requeue %s ended with status %d (%s); resubmit it",
+            job,
+            job,
+            status.returncode,
+            (status.stderr or status.stdout).strip(),
+        )
 
 
 def requeue_record(cfg: DictConfig) -> Path | None:

@@ -13,7 +13,12 @@ from flowformer.device_settings import TrainingStep, device_memory_settings, tra
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
 from flowformer.tasks.batches import per_process_batch, set_per_process_batch
 from flowformer.tasks.pipeline_plan import training_crop
-from flowformer.tasks.preemption import record_for_requeue, resume_requeued_job, stopped_training
+from flowformer.tasks.preemption import (
+    record_for_requeue,
+    requeue_if_warned,
+    resume_requeued_job,
+    stopped_training,
+)
 from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network
 
@@ -34,6 +39,7 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     try:
         run.trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     except SIGTERMException:
+        requeue_if_warned(run.trainer)
         raise stopped_training(run.trainer) from None
     return monitored_value(run), run.trainer
 

@@ -6,6 +6,8 @@ import errno
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,19 +59,22 @@ class KillGroupOnceAtStep(L.Callback):
 class SignalAtStep(L.Callback):
     """Send the process `signal_name` (SIGTERM, SIGUSR1, ...) when the batch after `step` optimiser steps starts:
     the signal arrives during step `step` + 1. With `group`, the whole process group gets it (DataLoader workers
-    too), as from SLURM or a terminal: only for a run started in a session of its own."""
+    too), as from SLURM or a terminal: sent by another process, as theirs is (torch's DataLoader
+    workers end quietly on a SIGTERM from their parent, and die of one from any other process); only for a run
+    started in a session of its own."""
 
     def __init__(self, step: int, signal_name: str, group: bool = False) -> None:
         self.step = step
-        self.signum = getattr(signal, signal_name)
+        self.signal_name = signal_name
         self.group = group
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.step:
             if self.group:
-                os.killpg(os.getpgrp(), self.signum)
+                sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.{self.signal_name})"
+                subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
             else:
-                os.kill(os.getpid(), self.signum)
+                os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
 def fill_disk(folder: str | Path, patch: Callable[[object, str, object], None] = setattr) -> str:

@@ -2,10 +2,12 @@
 the fresh checkout a new user types it in; the same command run in this process, where a subprocess per
 command costs too much."""
 
+import json
 import logging
 import os
 import runpy
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +32,56 @@ def fresh_checkout(destination: Path) -> Path:
     return destination
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a job's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def srun_task(rank: int, port: int) -> dict[str, str]:
+    """The environment `srun --ntasks=2` (one node, job 4242, step 0) gives task `rank`, as far as Lightning's
+    SLURMEnvironment and this code read it; MASTER_ADDR/MASTER_PORT as an sbatch script exports them."""
+    return {
+        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NAME": "table", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    }
+
+
+# srun's part in a job step on one node, in a process of its own: it starts each task's command with the task's
+# variables added (argv[1]: their list, as JSON; the command follows), waits for them all, and prints their
+# exit statuses last. Like slurmstepd, it is not stopped by the signals meant for its tasks.
+SRUN = """
+import json, os, signal, subprocess, sys
+for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    signal.signal(signum, lambda *_: None)
+tasks = [subprocess.Popen(sys.argv[2:], env={**os.environ, **task}) for task in json.loads(sys.argv[1])]
+print("srun: task exit statuses", json.dumps([task.wait() for task in tasks]), flush=True)
+"""
+
+
+def start_job_step(*overrides: str, tasks: list[dict[str, str]], env: dict, cwd: Path = REPO_DIR) -> subprocess.Popen:
+    """`srun python run.py <overrides>` as srun starts it on one machine: one process per task (`tasks`: the
+    variables each gets, as :func:`srun_task` gives them), all in one process group of a session of their
+    own, which a signal to the group (SLURM's, to every task) reaches alone; stdout and stderr of all the tasks
+    in one text stream, their exit statuses on its last line (`srun: task exit statuses [...]`)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", SRUN, json.dumps(tasks), sys.executable, "run.py", *overrides],
+        cwd=cwd,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def start_run_py(
-    *overrides: str, env: dict | None = None, new_session: bool = False, cwd: Path = REPO_DIR
+    *overrides: str,
+    env: dict | None = None,
+    new_session: bool = False,
+    cwd: Path = REPO_DIR,
 ) -> subprocess.Popen:
     """Starts `python run.py <overrides>` in `cwd` (the repository root by default) with wandb offline, without
     waiting; stdout and stderr are captured as text. `new_session`: in a process group of its own, which a

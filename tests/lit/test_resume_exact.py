@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowformer.tasks.stop_signals import StoppedBySignal
+from flowformer.stop_signals import StoppedBySignal
 from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config

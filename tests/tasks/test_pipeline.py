@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
+from flowformer.stop_signals import StoppedBySignal
 from flowformer.tasks import pipeline
-from flowformer.tasks.stop_signals import StoppedBySignal
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import CONF_DIR

@@ -8,7 +8,6 @@ for two GPUs."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import REPO_DIR
-from helpers.run import fresh_checkout, run_py
+from helpers.run import free_port, fresh_checkout, run_py, srun_task
 
 # DDP on the CPU (gloo), as tests/tasks/test_ddp.py runs it; helpers.faults importable in every process.
 GLOO = ("trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=1")
@@ -366,12 +365,6 @@ def test_a_stage_failing_on_one_process_of_a_torchrun_table_ends_on_all_and_the_
     assert f"pipeline: rank 1 trains {trained / 'things'}" in (trained / "run.log").read_text()
     assert torch.load(trained / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_together(*processes: tuple[list[str], Path, dict[str, str]]) -> list[subprocess.CompletedProcess]:
     """Each (command, working directory, environment added) started at once, as a cluster starts a job's
     processes, each then run to its end."""
@@ -411,16 +404,6 @@ def test_a_pipeline_on_two_nodes_of_torchrun_is_owned_by_global_rank_0(tmp_path)
     assert torch.load(owner / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     assert sorted(path.name for path in other.iterdir()) == [".hydra", "run.log"]
     assert f"pipeline: rank 1 trains {owner / 'things'}" in (other / "run.log").read_text()
-
-
-def srun_task(rank: int, port: int) -> dict[str, str]:
-    """The environment `srun --ntasks=2` (one node, job 4242, step 0) gives task `rank`, as far as Lightning's
-    SLURMEnvironment and this code read it; MASTER_ADDR/MASTER_PORT as an sbatch script exports them."""
-    return {
-        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
-        "SLURM_JOB_NAME": "table", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    }
 
 
 def test_a_pipeline_under_srun_runs_in_the_job_step_directory(tmp_path):

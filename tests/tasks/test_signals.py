@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -29,12 +30,12 @@ from flowformer.data.sampling import item_index
 from flowformer.lit.checkpointing import LastCheckpoint, RandomStates, SafeCheckpointIO, validation_restart
 from flowformer.lit.metrics_csv import SafeCSVLogger
 from flowformer.models import save_backbone
+from flowformer.stop_signals import STOP_SIGNALS
 from flowformer.tasks.preemption import Preemption
-from flowformer.tasks.stop_signals import STOP_SIGNALS
 
 from helpers.configs import REPO_DIR, build_backbone
 from helpers.faults import SignalAtStep
-from helpers.run import fresh_checkout, run_py, start_run_py
+from helpers.run import free_port, fresh_checkout, run_py, srun_task, start_job_step, start_run_py
 from helpers.trainers import LinearModule, cpu_trainer, linear_loader
 
 ENV = {"PYTHONPATH": str(REPO_DIR / "tests")}
@@ -177,17 +178,26 @@ SLURM_JOB = {
 }
 
 
-def stub_scontrol(folder: Path) -> Path:
-    """An `scontrol` that records its arguments and then, as SLURM's requeue does, sends SIGTERM to its caller."""
+def stub_scontrol(folder: Path, runs: Path) -> Path:
+    """An `scontrol` that records its arguments and the last.ckpt files under `runs` when it ran, then, as
+    SLURM's requeue does, sends SIGTERM to every process of the job (its process group: start the job in a
+    session of its own)."""
     folder.mkdir()
     script = folder / "scontrol"
-    script.write_text(f'#!/bin/sh\necho "$@" >> {folder / "calls"}\nkill -TERM $PPID\n')
+    script.write_text(
+        f'#!/bin/sh\necho "$@" >> {folder / "calls"}\nfind {runs} -name last.ckpt >> {folder / "calls"}\n'
+        "trap '' TERM\nkill -TERM 0\n"
+    )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return folder
 
 
 def test_slurm_requeues_on_sigusr1_and_the_requeued_job_resumes_from_last_ckpt(tmp_path):
-    stub = stub_scontrol(tmp_path / "bin")
+    """SIGUSR1 under SLURM (`#SBATCH --signal=SIGUSR1@90 --requeue`) during step 3: the run stops after that
+    step with last.ckpt, then `scontrol requeue <job>` runs (no hpc_ckpt of Lightning's, written mid-step), and
+    the SIGTERM of the requeue finds the run finished: status 138. The requeued job resumes from that last.ckpt."""
+    first, requeued = tmp_path / "first", tmp_path / "requeued"
+    stub = stub_scontrol(tmp_path / "bin", first)
     env = {**ENV, **SLURM_JOB, "PATH": f"{stub}:{os.environ['PATH']}"}
     command = (
         "debug=tiny",
@@ -195,29 +205,61 @@ def test_slurm_requeues_on_sigusr1_and_the_requeued_job_resumes_from_last_ckpt(t
         f"paths.log_dir={tmp_path / 'logs'}",
         *signal_at(2, "SIGUSR1"),
     )
-    first, requeued = tmp_path / "first", tmp_path / "requeued"
 
-    result = run_py(*command, f"hydra.run.dir={first}", env=env, expect_ok=False, timeout=240)
+    result = run_py(*command, f"hydra.run.dir={first}", env=env, expect_ok=False, new_session=True, timeout=240)
     assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
-    assert (stub / "calls").read_text() == "requeue 4242\n"  # Lightning's auto-requeue ran scontrol
-    # SLURM's SIGTERM after the requeue stopped it after the step in progress
-    assert saved_step(first / "checkpoints" / "last.ckpt") == 3
-    assert list(first.glob("hpc_ckpt_*.ckpt"))  # Lightning's own, written inside the signal handler: not used
+    last = first / "checkpoints" / "last.ckpt"
+    assert (stub / "calls").read_text() == f"requeue 4242\n{last}\n"  # after last.ckpt was written
+    assert saved_step(last) == 3 and not list(first.glob("hpc_ckpt_*.ckpt"))
+    log = (first / "run.log").read_text()
+    assert log.count("SLURM job 4242 is requeued (scontrol requeue 4242)") == 1
+    assert "training stopped by SIGUSR1 at step 3" in log
 
     # SLURM starts the same command again, with the same job id
     run_py(*command, f"hydra.run.dir={requeued}", env={**env, "SLURM_RESTART_COUNT": "1"}, timeout=240)
-    resumed = (
-        f"requeued SLURM job 4242 (restart 1): resuming from ckpt_path={first / 'checkpoints' / 'last.ckpt'}"
-    )
+    resumed = f"requeued SLURM job 4242 (restart 1): resuming from ckpt_path={last}"
     assert resumed in (requeued / "run.log").read_text()
     with open(requeued / "csv" / "metrics.csv") as metrics:
         steps = {int(row["step"]) for row in csv.DictReader(metrics)}
     assert saved_step(requeued / "checkpoints" / "last.ckpt") == 6 and min(steps) >= 3, steps
 
 
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
+def test_a_ddp_job_step_under_srun_signalled_by_slurm_stops_with_last_ckpt(tmp_path, name):
+    """The DDP command of docs/reliability.md's sbatch script as srun starts it on one node (two processes of
+    the command, each with its task's SLURM variables, one process group; not a SLURM cluster; gloo on the
+    CPU), the signal to every process (DataLoader workers too) during step 3, as SLURM sends its warning
+    (SIGUSR1) or scancel and a time limit send SIGTERM: both stop after that step with last.ckpt, no hang, and
+    on SIGUSR1 rank 0 alone runs `scontrol requeue` once last.ckpt holds that step. Lightning's own requeue
+    handler saved a checkpoint (a collective) inside the signal handler, before last.ckpt; a SIGTERM that
+    SLURM sent killed the DataLoader workers (torch's worker handler), and training failed unsaved."""
+    logs = tmp_path / "logs"
+    stub = stub_scontrol(tmp_path / "bin", logs)
+    command = (
+        *TRAIN, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.precision=32-true",
+        "trainer.max_steps=50", f"paths.log_dir={logs}", *signal_at(2, name, group=True),
+    )
+    env = {**ENV, "OMP_NUM_THREADS": "1", "PATH": f"{stub}:{os.environ['PATH']}"}
+    port = free_port()
+    job = start_job_step(*command, tasks=[srun_task(rank, port) for rank in (0, 1)], env=env)
+    try:
+        output, _ = job.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail(f"the job hung: {job.communicate()[0][-3000:]}")
+    status = 128 + getattr(signal, name)
+    assert output.endswith(f"srun: task exit statuses {[status] * 2}\n"), output[-6000:]
+    [last] = logs.rglob("last.ckpt")
+    assert last.parent.parent.name == "slurm-4242.0" and saved_step(last) == 3
+    requeued = (stub / "calls").read_text() if (stub / "calls").exists() else None
+    assert requeued == (f"requeue 4242\n{last}\n" if name == "SIGUSR1" else None)
+    assert output.count(f"training stopped by {name} at step 3") == 2  # one line from each process
+    assert "Traceback" not in output
+
+
 def test_sigusr1_under_slurm_without_scontrol_saves_last_ckpt_and_fails_saying_why(tmp_path):
-    """In a container with SLURM's variables but no `scontrol` on PATH, Lightning's requeue cannot run: the
-    warning signal still stops the run after the step in progress, with last.ckpt, status 138 and one line."""
+    """In a container with SLURM's variables but no `scontrol` on PATH, the requeue cannot run: the warning
+    signal still stops the run after the step in progress, with last.ckpt, status 138 and one line saying so."""
     bin_dir = tmp_path / "bin"  # the PATH of a container: a shell, no SLURM tools
     bin_dir.mkdir()
     (bin_dir / "sh").symlink_to(shutil.which("sh"))
@@ -282,9 +324,12 @@ def test_sigterm_during_infer_leaves_complete_files_and_a_playable_video(tmp_pat
     assert f"task=infer stopped by SIGTERM after {len(flows)} of 59 pairs" in log
 
 
-def test_ctrl_c_during_eval_ends_it_at_once_with_one_line_and_no_results_file(tmp_path, checkpoint):
-    """task=eval on 100000 synthetic pairs, Ctrl-C (SIGINT to its process group, as a terminal sends it) once
-    it evaluates: status 130, no results file, one line saying so, no traceback (Python's KeyboardInterrupt)."""
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_eval_ends_it_at_once_with_one_line_and_no_results_file(tmp_path, checkpoint, name):
+    """task=eval on 100000 synthetic pairs loaded by 2 workers, Ctrl-C or scancel (SIGINT or SIGTERM to its
+    process group, as a terminal or SLURM sends it) once it evaluates: status 130 or 143, no results file, one
+    line saying so, no traceback (Python's KeyboardInterrupt; torch's "DataLoader worker is killed by signal",
+    its workers' own SIGTERM handler ending them on a SIGTERM their parent did not send)."""
     run_dir = tmp_path / "run"
     process = start_run_py(
         "task=eval",
@@ -292,22 +337,29 @@ def test_ctrl_c_during_eval_ends_it_at_once_with_one_line_and_no_results_file(tm
         "eval=synthetic",
         f"eval.checkpoint={checkpoint}",
         "eval.benchmarks.synthetic.dataset.num_samples=100000",
+        "eval.num_workers=2",
         f"hydra.run.dir={run_dir}",
         new_session=True,
     )
     deadline, log = time.monotonic() + 120, run_dir / "run.log"
-    while not log.is_file() or "evaluating synthetic" not in log.read_text():
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    while not log.is_file() or "evaluating synthetic" not in log.read_text() or len(children.read_text().split()) < 2:
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            pytest.fail(f"the evaluation did not start: {process.communicate()[1][-3000:]}")
+            pytest.fail(f"the evaluation did not start its workers: {process.communicate()[1][-3000:]}")
         time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    time.sleep(1)  # the loader's workers are started; it evaluates
+    os.killpg(process.pid, getattr(signal, name))
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"task=eval did not stop: {process.communicate()[1][-3000:]}")
+    assert process.returncode == 128 + getattr(signal, name), stderr[-3000:]
     assert "Traceback" not in stderr and not (run_dir / "eval_results.json").exists()
     lines = [line for line in log.read_text().splitlines() if "stopped by" in line]
     assert len(lines) == 1
-    assert lines[0].endswith(f"task=eval stopped by SIGINT: {run_dir / 'eval_results.json'} is not written; run it again")
+    assert lines[0].endswith(f"task=eval stopped by {name}: {run_dir / 'eval_results.json'} is not written; run it again")
 
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier last.ckpt", "first write"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -88,3 +89,29 @@ class ForkedChildren:
 
 
 forked_children = ForkedChildren()
+
+
+def worker_ignores_stop_signals(worker_id: int) -> None:
+    """A DataLoader's worker_init_fn (or part of one): a worker forked to ignore the stop signals
+    (:data:`forked_children`) ignores them again, except its parent's SIGTERM, which ends it quietly.
+
+    Torch's worker loop installs its own SIGTERM handler after the fork: it ends the worker quietly on its
+    parent's SIGTERM (multiprocessing terminates the daemon workers of a process that exits without shutting
+    them down, after an error) and kills it on any other. So SLURM's SIGTERM (scancel, a time limit) and
+    another task's killed the workers, and the training process failed on a dead worker before it could save.
+    Here SIGTERM is blocked in the worker and taken by a thread of its own, which ends the worker when the
+    parent sent it and drops it otherwise."""
+    if not forked_children.ignore_stop_signals:
+        return
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGTERM:
+            signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not ignored: an ignored signal is dropped before it is waited for
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # in every thread the worker starts from now on
+    threading.Thread(target=_end_on_parents_sigterm, args=(os.getppid(),), daemon=True).start()
+
+
+def _end_on_parents_sigterm(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
