@@ -1,9 +1,16 @@
-"""``metrics.csv`` that a full disk cannot truncate: :class:`SafeCSVLogger` (``conf/logger/csv.yaml``).
+"""``metrics.csv`` that a full disk cannot truncate and a run resumed in its own directory continues:
+:class:`SafeCSVLogger` (``conf/logger/csv.yaml``).
 
 Lightning's ``CSVLogger`` appends each batch of rows to ``metrics.csv`` and rewrites the file in place when a new
 metric appears, so a failed write (disk full) leaves a half row or an empty file and a traceback. Here every
 flush writes the whole file (the earlier rows and the new ones) through ``atomic_write``: a failed write is one
 ``OutputWriteError`` naming ``metrics.csv``, and the rows written before stay whole.
+
+Lightning also deletes an existing ``metrics.csv`` when its logger starts. A run resumes in the directory of the
+run it continues where a launcher names the directory after the job: a requeued SLURM job step with several
+tasks (``slurm-<job>.<step>``, flowformer/tasks/run_dirs.py). There the file is kept: the resumed run's rows
+follow the earlier run's rows of the steps before its first one (those of later steps, which the resume runs
+again, are replaced), so the file holds the whole run as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import logging
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from flowformer.models.output_files import OutputWriteError, atomic_write_text
@@ -21,8 +30,39 @@ from flowformer.models.output_files import OutputWriteError, atomic_write_text
 log = logging.getLogger(__name__)
 
 
+def logged_metrics(row: dict[str, object]) -> frozenset[str]:
+    """The metrics a row of metrics.csv holds (the names with a value, besides its step and epoch)."""
+    return frozenset(key for key, value in row.items() if key not in ("step", "epoch") and value not in ("", None))
+
+
+def replayed(row: dict[str, str], first: int, again: set[frozenset[str]]) -> bool:
+    """Whether an earlier run's `row` is one its resumed run logs again, whose first rows are of step `first`
+    and hold the metrics `again`: rows of later steps, and those of that step that hold the same metrics (a
+    validation run again, whose row is logged at the step before the checkpoint's)."""
+    step = int(row["step"])
+    return step > first or (step == first and logged_metrics(row) in again)
+
+
+class ContinuingWriter(ExperimentWriter):
+    """Lightning's metrics writer that keeps an existing ``metrics.csv`` (Lightning's deletes it):
+    :meth:`SafeCSVLogger.save` continues it."""
+
+    def _check_log_dir_exists(self) -> None:
+        pass
+
+
 class SafeCSVLogger(CSVLogger):
-    """Lightning's ``CSVLogger`` whose flushes rewrite ``metrics.csv`` atomically."""
+    """Lightning's ``CSVLogger`` whose flushes rewrite ``metrics.csv`` atomically, continuing the rows of an
+    earlier run in the same directory."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ContinuingWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuingWriter(log_dir=self.log_dir)
+            self._continued = False  # whether the first flush has dropped the earlier run's replayed rows
+        return self._experiment
 
     @rank_zero_only
     def save(self) -> None:
@@ -35,12 +75,19 @@ class SafeCSVLogger(CSVLogger):
         if path.is_file():
             with path.open(newline="") as file:
                 earlier = file.read()
+        earlier_rows = list(csv.DictReader(io.StringIO(earlier, newline="")))
+        if not self._continued:  # an earlier run's file: the rows this run logs again go
+            self._continued = True
+            first = min(row["step"] for row in rows)
+            again = {logged_metrics(row) for row in rows if row["step"] == first}
+            earlier_rows = [row for row in earlier_rows if not replayed(row, first, again)]
+            earlier, writer.metrics_keys = "", sorted(set().union(*earlier_rows))
         keys = sorted(set(writer.metrics_keys).union(*rows))
         text = io.StringIO()
         table = csv.DictWriter(text, fieldnames=keys)
         if keys != writer.metrics_keys or not earlier:  # a new column: the header and the earlier rows again
             table.writeheader()
-            table.writerows(csv.DictReader(io.StringIO(earlier, newline="")))
+            table.writerows(earlier_rows)
             earlier = ""
         table.writerows(rows)
         atomic_write_text(path, earlier + text.getvalue())

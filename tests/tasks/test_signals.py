@@ -232,21 +232,28 @@ def test_a_ddp_job_step_under_srun_signalled_by_slurm_stops_with_last_ckpt(tmp_p
     (SIGUSR1) or scancel and a time limit send SIGTERM: both stop after that step with last.ckpt, no hang, and
     on SIGUSR1 rank 0 alone runs `scontrol requeue` once last.ckpt holds that step. Lightning's own requeue
     handler saved a checkpoint (a collective) inside the signal handler, before last.ckpt; a SIGTERM that
-    SLURM sent killed the DataLoader workers (torch's worker handler), and training failed unsaved."""
+    SLURM sent killed the DataLoader workers (torch's worker handler), and training failed unsaved. The
+    requeued job step (the same command, SLURM_RESTART_COUNT=1) resumes from that last.ckpt in the same
+    directory, and its metrics.csv holds every step once (Lightning's logger deleted the earlier rows)."""
     logs = tmp_path / "logs"
     stub = stub_scontrol(tmp_path / "bin", logs)
     command = (
         *TRAIN, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.precision=32-true",
-        "trainer.max_steps=50", f"paths.log_dir={logs}", *signal_at(2, name, group=True),
+        "trainer.max_steps=6", f"paths.log_dir={logs}", *signal_at(2, name, group=True),
     )
     env = {**ENV, "OMP_NUM_THREADS": "1", "PATH": f"{stub}:{os.environ['PATH']}"}
     port = free_port()
-    job = start_job_step(*command, tasks=[srun_task(rank, port) for rank in (0, 1)], env=env)
-    try:
-        output, _ = job.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        pytest.fail(f"the job hung: {job.communicate()[0][-3000:]}")
+
+    def job_step(restarts: int) -> str:
+        tasks = [{**srun_task(rank, port), "SLURM_RESTART_COUNT": str(restarts)} for rank in (0, 1)]
+        job = start_job_step(*command, tasks=tasks, env=env)
+        try:
+            return job.communicate(timeout=300)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            pytest.fail(f"the job hung: {job.communicate()[0][-3000:]}")
+
+    output = job_step(restarts=0)
     status = 128 + getattr(signal, name)
     assert output.endswith(f"srun: task exit statuses {[status] * 2}\n"), output[-6000:]
     [last] = logs.rglob("last.ckpt")
@@ -255,6 +262,16 @@ def test_a_ddp_job_step_under_srun_signalled_by_slurm_stops_with_last_ckpt(tmp_p
     assert requeued == (f"requeue 4242\n{last}\n" if name == "SIGUSR1" else None)
     assert output.count(f"training stopped by {name} at step 3") == 2  # one line from each process
     assert "Traceback" not in output
+    if name == "SIGTERM":
+        return
+
+    output = job_step(restarts=1)
+    assert output.endswith("srun: task exit statuses [0, 0]\n"), output[-6000:]
+    assert output.count(f"requeued SLURM job 4242 (restart 1): resuming from ckpt_path={last}") == 2
+    assert saved_step(last) == 6
+    with open(last.parent.parent / "csv" / "metrics.csv") as metrics:
+        steps = [int(row["step"]) for row in csv.DictReader(metrics) if row["train/loss"]]
+    assert steps == list(range(6)), steps
 
 
 def test_sigusr1_under_slurm_without_scontrol_saves_last_ckpt_and_fails_saying_why(tmp_path):
@@ -504,7 +521,8 @@ def test_a_run_stopped_during_validation_resumes_as_the_uninterrupted_one(
 ):
     """last.ckpt holds the step the validation followed; the resumed run runs that whole validation and goes
     on as the uninterrupted run: the same rows of metrics.csv at the same logged steps, bitwise the same
-    weights."""
+    weights. Resumed in the stopped run's own directory (a requeued SLURM job step's), metrics.csv then holds
+    the uninterrupted run's rows: the earlier rows continued, those logged again replaced."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     with contextlib.suppress(RuntimeError):
         fit_points(first, stop, every_n=every_n)
@@ -518,6 +536,10 @@ def test_a_run_stopped_during_validation_resumes_as_the_uninterrupted_one(
     final, reference = last_checkpoint(resumed), last_checkpoint(points_reference)
     assert final["global_step"] == reference["global_step"] == STEPS
     assert all(torch.equal(final["state_dict"][key], value) for key, value in reference["state_dict"].items())
+
+    if not isinstance(stop, CrashInValidation):  # a crash leaves the rows since the last flush unwritten
+        fit_points(first, ckpt_path=first / "checkpoints" / "last.ckpt")
+        assert logged(first) == logged(points_reference)
 
 
 class SaveAt(L.Callback):
