@@ -426,17 +426,26 @@ def follow() -> None:
     leaving it ends the collective a process that did not fail waits in) and waits for rank 0 to say the
     row's stages are over before it raises the failure, so that every process goes on to the next row
     together. Alone (one pipeline) it raises at once and the launcher ends the job, also where the stage
-    failed here only (one GPU out of memory), which rank 0, in its DDP step, waits on."""
-    failure: Exception | None = None
+    failed here only (one GPU out of memory), which rank 0, in its DDP step, waits on. A stop signal stops the
+    stage on every process after the same step (flowformer/tasks/preemption.py); this process then waits for
+    rank 0 to say the stages are over, and stops with one line that points to rank 0's."""
+    failure: BaseException | None = None
     while True:
         message: list[Any] = [None]
         torch.distributed.broadcast_object_list(message, src=0)
         if message[0] is None:
             break
         if failure is None:
-            log.info("pipeline: rank %d trains %s", torch.distributed.get_rank(), message[0]["paths"]["output_dir"])
+            rank = torch.distributed.get_rank()
+            log.info("pipeline: rank %d trains %s", rank, message[0]["paths"]["output_dir"])
             try:
                 fit(OmegaConf.create(message[0]))
+            except StoppedBySignal as stop:  # rank 0 stopped after the same step, and ends the stages
+                failure = StoppedBySignal(
+                    stop.signum,
+                    f"pipeline: rank {rank} stopped by {stop.signum.name} with the stage's other processes; global "
+                    "rank 0's line says how to continue",
+                )
             except Exception as error:  # in a table, raised once rank 0 says the row's stages are over
                 if not in_multirun():
                     raise

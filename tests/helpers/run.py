@@ -8,6 +8,7 @@ import os
 import runpy
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,20 @@ def start_job_step(*overrides: str, tasks: list[dict[str, str]], env: dict, cwd:
         text=True,
         start_new_session=True,
     )
+
+
+def stub_scontrol(folder: Path, runs: Path) -> Path:
+    """An `scontrol` that records its arguments and the last.ckpt files under `runs` when it ran, then, as
+    SLURM's requeue does, sends SIGTERM to every process of the job (its process group: start the job in a
+    session of its own)."""
+    folder.mkdir()
+    script = folder / "scontrol"
+    script.write_text(
+        f'#!/bin/sh\necho "$@" >> {folder / "calls"}\nfind {runs} -name last.ckpt >> {folder / "calls"}\n'
+        "trap '' TERM\nkill -TERM 0\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return folder
 
 
 def start_run_py(

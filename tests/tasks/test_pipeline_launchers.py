@@ -8,6 +8,7 @@ for two GPUs."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import REPO_DIR
-from helpers.run import free_port, fresh_checkout, run_py, srun_task
+from helpers.run import free_port, fresh_checkout, run_py, srun_task, start_job_step, stub_scontrol
 
 # DDP on the CPU (gloo), as tests/tasks/test_ddp.py runs it; helpers.faults importable in every process.
 GLOO = ("trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=1")
@@ -424,6 +425,53 @@ def test_a_pipeline_under_srun_runs_in_the_job_step_directory(tmp_path):
     assert sorted(path.name for path in run_dir.iterdir() if path.is_dir()) == [".hydra", "eval_plain", "things"]
     assert f"pipeline: rank 1 trains {run_dir / 'things'}" in results[1].stdout
     assert "pipeline: evaluation" not in results[1].stdout
+
+
+def test_a_pipeline_under_srun_warned_by_slurm_is_requeued_and_its_requeued_job_step_finishes_it(tmp_path):
+    """docs/cluster.md's time limits: the srun command of a pipeline (as the test above) in an sbatch script
+    with `--signal=SIGUSR1@90 --requeue`, SIGUSR1 to every process during its stage's step 3 (a stub
+    `scontrol` that records when it ran and sends SIGTERM to the job, as SLURM's requeue does): both tasks stop
+    after that step with the stage's last.ckpt, rank 0 requeues the job once, and the pipeline is recorded
+    stopped (status 138, one line from each process; rank 1 left before rank 0 told it the stages were over,
+    and rank 0 failed on its gone peer). The requeued job step (the same command, SLURM_RESTART_COUNT=1) continues the
+    pipeline in slurm-<job>.<step>: the stage resumes from that last.ckpt and the pipeline is done."""
+    stop = [
+        "+callbacks.stop._target_=helpers.faults.SignalAtStep", "+callbacks.stop.step=2",
+        "+callbacks.stop.signal_name=SIGUSR1", "+callbacks.stop.group=true",
+    ]
+    checkout = checkout_with_protocol(
+        tmp_path, "srun_requeue", evaluate=False, things=["trainer.max_steps=6", "trainer.val_check_interval=6", *stop]
+    )
+    stub = stub_scontrol(tmp_path / "bin", checkout / "logs")
+    command = ["task=pipeline", "protocol=srun_requeue", "trainer=ddp", "trainer.devices=2", *GLOO]
+    env = {**ENV, "PATH": f"{stub}:{os.environ['PATH']}"}
+    port = free_port()
+
+    def job_step(restarts: int) -> str:
+        tasks = [{**srun_task(rank, port), "SLURM_RESTART_COUNT": str(restarts)} for rank in (0, 1)]
+        job = start_job_step(*command, tasks=tasks, env=env, cwd=checkout)
+        try:
+            return job.communicate(timeout=600)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            pytest.fail(f"the job hung: {job.communicate()[0][-3000:]}")
+
+    output = job_step(restarts=0)
+    assert output.endswith("srun: task exit statuses [138, 138]\n"), output[-6000:]
+    run_dir = checkout / "logs" / "pipeline" / "srun_requeue" / "runs" / "slurm-4242.0"
+    last = run_dir / "things" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert (stub / "calls").read_text() == f"requeue 4242\n{last}\n"
+    assert record(run_dir)["status"] == "stopped" and "Traceback" not in output
+    assert output.count("pipeline stage 1/1 things was stopped by SIGUSR1 (its last.ckpt is kept)") == 1
+    assert output.count("pipeline: rank 1 stopped by SIGUSR1 with the stage's other processes") == 1
+
+    output = job_step(restarts=1)
+    assert output.endswith("srun: task exit statuses [0, 0]\n"), output[-6000:]
+    done = record(run_dir)
+    assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+    assert (stub / "calls").read_text() == f"requeue 4242\n{last}\n"  # not requeued again
 
 
 def test_a_tables_resume_naming_one_rows_run_directory_is_refused_before_any_job(tmp_path):

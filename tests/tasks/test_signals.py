@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import time
 from pathlib import Path
@@ -35,7 +34,15 @@ from flowformer.tasks.preemption import Preemption
 
 from helpers.configs import REPO_DIR, build_backbone
 from helpers.faults import SignalAtStep
-from helpers.run import free_port, fresh_checkout, run_py, srun_task, start_job_step, start_run_py
+from helpers.run import (
+    free_port,
+    fresh_checkout,
+    run_py,
+    srun_task,
+    start_job_step,
+    start_run_py,
+    stub_scontrol,
+)
 from helpers.trainers import LinearModule, cpu_trainer, linear_loader
 
 ENV = {"PYTHONPATH": str(REPO_DIR / "tests")}
@@ -176,20 +183,6 @@ SLURM_JOB = {
     "SLURM_LOCALID": "0",
     "SLURM_NODEID": "0",
 }
-
-
-def stub_scontrol(folder: Path, runs: Path) -> Path:
-    """An `scontrol` that records its arguments and the last.ckpt files under `runs` when it ran, then, as
-    SLURM's requeue does, sends SIGTERM to every process of the job (its process group: start the job in a
-    session of its own)."""
-    folder.mkdir()
-    script = folder / "scontrol"
-    script.write_text(
-        f'#!/bin/sh\necho "$@" >> {folder / "calls"}\nfind {runs} -name last.ckpt >> {folder / "calls"}\n'
-        "trap '' TERM\nkill -TERM 0\n"
-    )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return folder
 
 
 def test_slurm_requeues_on_sigusr1_and_the_requeued_job_resumes_from_last_ckpt(tmp_path):
