@@ -7,6 +7,7 @@ import logging
 import os
 import runpy
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -76,6 +77,21 @@ def start_job_step(*overrides: str, tasks: list[dict[str, str]], env: dict, cwd:
         text=True,
         start_new_session=True,
     )
+
+
+def run_job_step(
+    *overrides: str, port: int, env: dict, restarts: int = 0, cwd: Path = REPO_DIR, timeout: float = 600
+) -> str:
+    """:func:`start_job_step` of srun's 2 tasks (:func:`srun_task`) in a job SLURM started `restarts` times
+    before (SLURM_RESTART_COUNT), run to its end: the tasks' output. A job step still running after `timeout`
+    seconds (hung) is killed, and the test fails with its output's tail."""
+    tasks = [{**srun_task(rank, port), "SLURM_RESTART_COUNT": str(restarts)} for rank in (0, 1)]
+    job = start_job_step(*overrides, tasks=tasks, env=env, cwd=cwd)
+    try:
+        return job.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise AssertionError(f"the job step hung: {job.communicate()[0][-3000:]}") from None
 
 
 def stub_scontrol(folder: Path, runs: Path) -> Path:

@@ -8,7 +8,6 @@ for two GPUs."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import REPO_DIR
-from helpers.run import free_port, fresh_checkout, run_py, srun_task, start_job_step, stub_scontrol
+from helpers.run import free_port, fresh_checkout, run_job_step, run_py, srun_task, stub_scontrol
 
 # DDP on the CPU (gloo), as tests/tasks/test_ddp.py runs it; helpers.faults importable in every process.
 GLOO = ("trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=1")
@@ -447,16 +446,7 @@ def test_a_pipeline_under_srun_warned_by_slurm_is_requeued_and_its_requeued_job_
     env = {**ENV, "PATH": f"{stub}:{os.environ['PATH']}"}
     port = free_port()
 
-    def job_step(restarts: int) -> str:
-        tasks = [{**srun_task(rank, port), "SLURM_RESTART_COUNT": str(restarts)} for rank in (0, 1)]
-        job = start_job_step(*command, tasks=tasks, env=env, cwd=checkout)
-        try:
-            return job.communicate(timeout=600)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
-            pytest.fail(f"the job hung: {job.communicate()[0][-3000:]}")
-
-    output = job_step(restarts=0)
+    output = run_job_step(*command, port=port, env=env, cwd=checkout)
     assert output.endswith("srun: task exit statuses [138, 138]\n"), output[-6000:]
     run_dir = checkout / "logs" / "pipeline" / "srun_requeue" / "runs" / "slurm-4242.0"
     last = run_dir / "things" / "checkpoints" / "last.ckpt"
@@ -466,7 +456,7 @@ def test_a_pipeline_under_srun_warned_by_slurm_is_requeued_and_its_requeued_job_
     assert output.count("pipeline stage 1/1 things was stopped by SIGUSR1 (its last.ckpt is kept)") == 1
     assert output.count("pipeline: rank 1 stopped by SIGUSR1 with the stage's other processes") == 1
 
-    output = job_step(restarts=1)
+    output = run_job_step(*command, port=port, env=env, restarts=1, cwd=checkout)
     assert output.endswith("srun: task exit statuses [0, 0]\n"), output[-6000:]
     done = record(run_dir)
     assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done"]

@@ -37,9 +37,8 @@ from helpers.faults import SignalAtStep
 from helpers.run import (
     free_port,
     fresh_checkout,
+    run_job_step,
     run_py,
-    srun_task,
-    start_job_step,
     start_run_py,
     stub_scontrol,
 )
@@ -237,16 +236,7 @@ def test_a_ddp_job_step_under_srun_signalled_by_slurm_stops_with_last_ckpt(tmp_p
     env = {**ENV, "OMP_NUM_THREADS": "1", "PATH": f"{stub}:{os.environ['PATH']}"}
     port = free_port()
 
-    def job_step(restarts: int) -> str:
-        tasks = [{**srun_task(rank, port), "SLURM_RESTART_COUNT": str(restarts)} for rank in (0, 1)]
-        job = start_job_step(*command, tasks=tasks, env=env)
-        try:
-            return job.communicate(timeout=300)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
-            pytest.fail(f"the job hung: {job.communicate()[0][-3000:]}")
-
-    output = job_step(restarts=0)
+    output = run_job_step(*command, port=port, env=env)
     status = 128 + getattr(signal, name)
     assert output.endswith(f"srun: task exit statuses {[status] * 2}\n"), output[-6000:]
     [last] = logs.rglob("last.ckpt")
@@ -258,7 +248,7 @@ def test_a_ddp_job_step_under_srun_signalled_by_slurm_stops_with_last_ckpt(tmp_p
     if name == "SIGTERM":
         return
 
-    output = job_step(restarts=1)
+    output = run_job_step(*command, port=port, env=env, restarts=1)
     assert output.endswith("srun: task exit statuses [0, 0]\n"), output[-6000:]
     assert output.count(f"requeued SLURM job 4242 (restart 1): resuming from ckpt_path={last}") == 2
     assert saved_step(last) == 6
