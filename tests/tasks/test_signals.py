@@ -257,12 +257,17 @@ def test_a_ddp_job_step_under_srun_signalled_by_slurm_stops_with_last_ckpt(tmp_p
     assert steps == list(range(6)), steps
 
 
-def test_sigusr1_under_slurm_without_scontrol_saves_last_ckpt_and_fails_saying_why(tmp_path):
-    """In a container with SLURM's variables but no `scontrol` on PATH, the requeue cannot run: the warning
-    signal still stops the run after the step in progress, with last.ckpt, status 138 and one line saying so."""
+@pytest.mark.parametrize("scontrol", ["missing", "refusing"])
+def test_sigusr1_under_slurm_that_cannot_requeue_saves_last_ckpt_and_fails_saying_why(tmp_path, scontrol):
+    """In a container with SLURM's variables but no `scontrol` on PATH, or where `scontrol requeue` fails (a
+    job submitted without --requeue), the job is not requeued: the warning signal still stops the run after
+    the step in progress, with last.ckpt, status 138 and one line saying why."""
     bin_dir = tmp_path / "bin"  # the PATH of a container: a shell, no SLURM tools
     bin_dir.mkdir()
     (bin_dir / "sh").symlink_to(shutil.which("sh"))
+    if scontrol == "refusing":
+        (bin_dir / "scontrol").write_text('#!/bin/sh\necho "Requested operation is presently disabled" >&2\nexit 1\n')
+        (bin_dir / "scontrol").chmod(0o755)
     env = {**ENV, **SLURM_JOB, "PATH": str(bin_dir)}
     run_dir = tmp_path / "run"
     command = ("debug=tiny", "trainer.max_steps=6", f"hydra.run.dir={run_dir}", *signal_at(2, "SIGUSR1"))
@@ -270,7 +275,12 @@ def test_sigusr1_under_slurm_without_scontrol_saves_last_ckpt_and_fails_saying_w
     assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
     assert saved_step(run_dir / "checkpoints" / "last.ckpt") == 3
     log = (run_dir / "run.log").read_text()
-    assert log.count(f"SIGUSR1: SLURM job 4242 cannot be requeued: scontrol is not on PATH ({bin_dir})") == 1
+    why = {
+        "missing": f"SIGUSR1: SLURM job 4242 cannot be requeued: scontrol is not on PATH ({bin_dir}); resubmit it",
+        "refusing": "SIGUSR1: SLURM job 4242 could not be requeued: scontrol requeue 4242 ended with status 1 "
+        "(Requested operation is presently disabled); resubmit it",
+    }
+    assert log.count(why[scontrol]) == 1
     assert "training stopped by SIGUSR1 at step 3" in log
 
 
