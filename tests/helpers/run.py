@@ -1,6 +1,6 @@
 """`python run.py <overrides>` in a subprocess, as a user types it: the helper the end-to-end tests share, and
 the fresh checkout a new user types it in; the same command run in this process, where a subprocess per
-command costs too much."""
+command costs too much; and a SLURM job step on this machine (srun's tasks and a stub `scontrol`)."""
 
 import json
 import logging
@@ -109,10 +109,7 @@ def stub_scontrol(folder: Path, runs: Path) -> Path:
 
 
 def start_run_py(
-    *overrides: str,
-    env: dict | None = None,
-    new_session: bool = False,
-    cwd: Path = REPO_DIR,
+    *overrides: str, env: dict | None = None, new_session: bool = False, cwd: Path = REPO_DIR
 ) -> subprocess.Popen:
     """Starts `python run.py <overrides>` in `cwd` (the repository root by default) with wandb offline, without
     waiting; stdout and stderr are captured as text. `new_session`: in a process group of its own, which a
