@@ -3,8 +3,8 @@
 simulated on this machine), srun's environment (not a SLURM cluster), and a table's rows as jobs of Hydra's
 submitit launcher. One process owns the pipeline's folders and records; a stage killed mid-way resumes with
 pipeline.resume; a table's failed row (refused, failing on every process or on one) leaves the processes in
-step for the next; a table's pipeline.resume names its sweep directory. Two gloo processes on the CPU stand
-for two GPUs."""
+step for the next; a table's pipeline.resume names its sweep directory; a pipeline under srun warned by SLURM
+is requeued and its requeued job step finishes it. Two gloo processes on the CPU stand for two GPUs."""
 
 import json
 import os

@@ -1,9 +1,10 @@
 """Preemption and signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) stop training and pretraining after the step in progress with
 last.ckpt at that step, one line in run.log and a non-zero status (DataLoader workers that get the signal too
 included); a run stopped during a validation (or killed after last.ckpt at that step) resumes by running that
-whole validation, then as the uninterrupted run; under SLURM, Lightning's auto-requeue requeues the job and
-the requeued job resumes from that last.ckpt; task=infer stops after the pair in progress with complete files
-and a playable flow.mp4; Ctrl-C during a checkpoint write leaves no temporary file."""
+whole validation, then as the uninterrupted run; under SLURM (one task, and a DDP job step of two in srun's
+environment), SIGUSR1 requeues the job once last.ckpt is written and the requeued job resumes from that
+last.ckpt, continuing its metrics.csv; task=eval stops at once and task=infer after the pair in progress with
+complete files and a playable flow.mp4; Ctrl-C during a checkpoint write leaves no temporary file."""
 
 import contextlib
 import csv
