@@ -61,7 +61,6 @@ class SafeCSVLogger(CSVLogger):
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = ContinuingWriter(log_dir=self.log_dir)
-            self._continued = False  # whether the first flush has dropped the earlier run's replayed rows
         return self._experiment
 
     @rank_zero_only
@@ -75,10 +74,9 @@ class SafeCSVLogger(CSVLogger):
         if path.is_file():
             with path.open(newline="") as file:
                 earlier = file.read()
-        earlier_rows = list(csv.DictReader(io.StringIO(earlier, newline="")))
-        if not self._continued:  # an earlier run's file: the rows this run logs again go
-            self._continued = True
-            first = min(row["step"] for row in rows)
+        earlier_rows = csv.DictReader(io.StringIO(earlier, newline=""))
+        if not writer.metrics_keys:  # this run's first flush (a row always has its step): an earlier run's rows
+            first = min(row["step"] for row in rows)  # stay, but those this run logs again
             again = {logged_metrics(row) for row in rows if row["step"] == first}
             earlier_rows = [row for row in earlier_rows if not replayed(row, first, again)]
             earlier, writer.metrics_keys = "", sorted(set().union(*earlier_rows))
