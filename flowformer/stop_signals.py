@@ -52,18 +52,46 @@ class StopSignals:
         self.received = self.received or signal.Signals(signum)
 
 
+class DeferredStop:
+    """``with deferred_stop:`` a stop that :func:`stopping_at_once` raises is raised where the block ends instead,
+    for a step that a stop must not cut midway: a DataLoader's iterator starting its workers, whose ``__del__``,
+    cut there, fails on what it had not yet set ("Exception ignored in ... __del__") before the run's line. A
+    block that fails drops the stop (the failure ends the run). Not blocking the signals: the process's other
+    threads would still take them, and Python runs the handler in the main thread at once."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.pending: StoppedBySignal | None = None
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.active = False
+        stop, self.pending = self.pending, None
+        if stop is not None and exc_type is None:
+            raise stop
+
+
+deferred_stop = DeferredStop()
+
+
 @contextmanager
 def stopping_at_once(stopped: Callable[[signal.Signals], str]) -> Iterator[None]:
     """``with stopping_at_once(line):`` the first stop signal raises StoppedBySignal (its line:
-    ``line(signal)``) wherever the main thread is, for work with nothing to save midway (files are written
-    atomically, so none is left half-written); later ones are ignored. Processes forked meanwhile (DataLoader
-    workers) ignore them; the handlers before are put back."""
+    ``line(signal)``) wherever the main thread is (outside :data:`deferred_stop`), for work with nothing to save
+    midway (files are written atomically, so none is left half-written); later ones are ignored. Processes
+    forked meanwhile (DataLoader workers) ignore them; the handlers before are put back."""
     received: list[signal.Signals] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
         if not received:
             received.append(signal.Signals(signum))
-            raise StoppedBySignal(received[0], stopped(received[0]))
+            stopped_run = StoppedBySignal(received[0], stopped(received[0]))
+            if deferred_stop.active:
+                deferred_stop.pending = stopped_run
+            else:
+                raise stopped_run
 
     previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     forked_children.ignore_stop_signals = True

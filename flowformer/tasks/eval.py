@@ -52,7 +52,7 @@ from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
-from flowformer.stop_signals import stopping_at_once, worker_ignores_stop_signals
+from flowformer.stop_signals import deferred_stop, stopping_at_once, worker_ignores_stop_signals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
     InferenceContext,
@@ -116,8 +116,10 @@ def evaluate_set(
     warm = WarmStart() if warm_start else None
     missing_truth = 0  # ground-truth pixels that are NaN or inf: left out as invalid (flowformer/metrics.py)
     inference = InferenceContext(device, precision, "eval.precision")
+    with deferred_stop:
+        pairs = iter(loader)  # starts the workers
     with pair_progress() as progress, inference.keeping_weight_casts():
-        for index, item in enumerate(progress.track(loader, total=count, description=name)):
+        for index, item in enumerate(progress.track(pairs, total=count, description=name)):
             image1 = item["img1"][None].to(device)  # [1,3,H,W]
             image2 = item["img2"][None].to(device)
             with inference:

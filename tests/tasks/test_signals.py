@@ -8,11 +8,14 @@ complete files and a playable flow.mp4; Ctrl-C during a checkpoint write leaves 
 
 import contextlib
 import csv
+import gc
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,10 +30,13 @@ from torch.utils.data import Dataset
 from flowformer.data.datamodules import FlowDataModule
 from flowformer.data.io import read_flo
 from flowformer.data.sampling import item_index
+from flowformer.data.synthetic import SyntheticFlowDataset
+from flowformer.eval.protocol import Protocol
 from flowformer.lit.checkpointing import LastCheckpoint, RandomStates, SafeCheckpointIO, validation_restart
 from flowformer.lit.metrics_csv import SafeCSVLogger
 from flowformer.models import save_backbone
-from flowformer.stop_signals import STOP_SIGNALS
+from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, stopping_at_once
+from flowformer.tasks.eval import evaluate_set
 from flowformer.tasks.preemption import Preemption
 
 from helpers.configs import REPO_DIR, build_backbone
@@ -371,6 +377,50 @@ def test_a_signal_during_eval_ends_it_at_once_with_one_line_and_no_results_file(
     lines = [line for line in log.read_text().splitlines() if "stopped by" in line]
     assert len(lines) == 1
     assert lines[0].endswith(f"task=eval stopped by {name}: {run_dir / 'eval_results.json'} is not written; run it again")
+
+
+class ZeroFlow(torch.nn.Module):
+    def forward(self, image1: torch.Tensor, image2: torch.Tensor, iters: int = 12) -> dict:
+        flow = image1.new_zeros(image1.shape[0], 2, *image1.shape[2:])
+        return {"flow": flow, "flow_low": flow[..., ::8, ::8]}
+
+
+def test_ctrl_c_while_evals_loader_starts_its_workers_stops_once_it_has_them(tmp_path):
+    """Ctrl-C in the moment task=eval's loader starts its 2 workers (SIGINT 0.5 ms after the first fork, handled
+    wherever the main thread then is): the stop is raised once the loader's iterator is built, so its teardown
+    ends both workers and prints nothing. Raised inside the iterator's constructor (5 of 6 runs before the fix),
+    it left a half-built iterator whose __del__ failed ("Exception ignored in ...
+    _MultiProcessingDataLoaderIter.__del__") before the run's line."""
+    armed, unraisable = [True], []
+
+    def ctrl_c_after_the_first_fork() -> None:  # Ctrl-C from outside: a handler run where the main thread is
+        if armed:
+            armed.clear()
+            signal.setitimer(signal.ITIMER_REAL, 0.0005)
+
+    os.register_at_fork(after_in_parent=ctrl_c_after_the_first_fork)  # disarmed after its one use
+    alarm = signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with pytest.raises(StoppedBySignal) as stop, stopping_at_once(lambda signum: f"stopped by {signum.name}"):
+            evaluate_set(
+                ZeroFlow(),
+                SyntheticFlowDataset(num_samples=8, size=(32, 48), seed=0),
+                Protocol(kind="flow", iters=1),
+                name="synthetic",
+                device=torch.device("cpu"),
+                num_workers=2,
+            )
+        signum, message = stop.value.signum, stop.value.message
+        del stop  # its traceback holds the loader's iterator, as the run's exit releases it
+        gc.collect()
+    finally:
+        armed.clear()
+        signal.signal(signal.SIGALRM, alarm)
+        sys.unraisablehook = hook
+    assert signum == signal.SIGINT and message == "stopped by SIGINT"
+    assert [entry.exc_value for entry in unraisable] == []
+    assert multiprocessing.active_children() == []  # both workers were started and ended
 
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier last.ckpt", "first write"])
