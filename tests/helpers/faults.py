@@ -61,16 +61,22 @@ class SignalAtStep(L.Callback):
     the signal arrives during step `step` + 1. With `group`, the whole process group gets it (DataLoader workers
     too), as from SLURM or a terminal: sent by another process, as theirs is (torch's DataLoader
     workers end quietly on a SIGTERM from their parent, and die of one from any other process); only for a run
-    started in a session of its own."""
+    started in a session of its own. With `launcher`, global rank 0 sends it to its parent, the launcher
+    (torchrun), as Ctrl-C in torchrun's terminal reaches torchrun alone (its workers run in sessions of their
+    own), which passes it on to every worker."""
 
-    def __init__(self, step: int, signal_name: str, group: bool = False) -> None:
+    def __init__(self, step: int, signal_name: str, group: bool = False, launcher: bool = False) -> None:
         self.step = step
         self.signal_name = signal_name
         self.group = group
+        self.launcher = launcher
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.step:
-            if self.group:
+            if self.launcher:
+                if trainer.global_rank == 0:
+                    os.kill(os.getppid(), getattr(signal, self.signal_name))
+            elif self.group:
                 sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.{self.signal_name})"
                 subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
             else:

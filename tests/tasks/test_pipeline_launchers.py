@@ -187,6 +187,38 @@ def test_a_job_killed_mid_way_and_run_again_continues_its_pipeline(tmp_path):
     assert torch.load(done["stages"][1]["checkpoint"], weights_only=True)["global_step"] == 3
 
 
+def test_ctrl_c_to_a_pipeline_under_torchrun_stops_it_saved_and_its_line_continues_it(tmp_path):
+    """Ctrl-C in torchrun's terminal (SIGINT to torchrun alone, which passes it on to its workers) during step 3
+    of a pipeline's stage: both processes stop after that step with the stage's last.ckpt, the pipeline is
+    recorded stopped, each process says so in one line (the one traceback is torchrun's, raised by the signal
+    once its workers ended), and rank 0's line (`pipeline.resume=<run dir>`) continues it: the stage resumes
+    from that last.ckpt and the pipeline is done."""
+    ctrl_c = [
+        "+callbacks.stop._target_=helpers.faults.SignalAtStep", "+callbacks.stop.step=2",
+        "+callbacks.stop.signal_name=SIGINT", "+callbacks.stop.launcher=true",
+    ]
+    checkout = checkout_with_protocol(
+        tmp_path, "torchrun_ctrl_c", evaluate=False, things=["trainer.max_steps=6", "trainer.val_check_interval=6", *ctrl_c]
+    )
+    command = ("task=pipeline", "protocol=torchrun_ctrl_c", "trainer=ddp", "trainer.devices=2", *GLOO)
+    stopped = torchrun(checkout, *command, new_session=True)
+    output = stopped.stdout + stopped.stderr
+    [run_dir] = (checkout / "logs" / "pipeline" / "torchrun_ctrl_c" / "runs").iterdir()
+    last = run_dir / "things" / "checkpoints" / "last.ckpt"
+    assert record(run_dir)["status"] == "stopped", output[-6000:]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    line = f"pipeline stage 1/1 things was stopped by SIGINT (its last.ckpt is kept); continue with pipeline.resume={run_dir}"
+    assert output.count(line) == 1
+    assert output.count("Traceback") == output.count("SignalException: Process") == 1  # torchrun's own, at its end
+    assert output.count("pipeline: rank 1 stopped by SIGINT with the stage's other processes") == 1
+
+    again = torchrun(checkout, *command, f"pipeline.resume={run_dir}")
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-6000:]
+    done = record(run_dir)
+    assert done["status"] == "done" and torch.load(last, weights_only=True)["global_step"] == 6
+
+
 def test_a_table_through_hydras_submitit_launcher_runs_each_row_as_a_job(tmp_path):
     """`hydra/launcher=submitit_local` (the optional extra `.[slurm]`): each row a job of its own process, with
     DDP inside, every job in the sweep directory the command names."""
