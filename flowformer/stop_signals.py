@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 # SIGINT is Ctrl-C in a terminal, which signals every process of the job as SLURM does: it stops a run as
 # SIGTERM does (status 130), with its work saved, where Python's KeyboardInterrupt would leave training's steps
@@ -33,7 +33,12 @@ class StoppedBySignal(SystemExit):
 
 class StopSignals:
     """``with StopSignals() as stop:`` the stop signals set ``stop.received`` (the first one) instead of
-    ending the process, for work that stops at a safe point of its own; the handlers before are put back."""
+    ending the process, for work that stops at a safe point of its own; the handlers before are put back.
+    Handlers that take its place for a part of the work (training's, an evaluation's, a child process's) tell
+    it of the signals they get (:func:`note_stop`), so that the work around stops once that part is over, also
+    where the part finished anyway (the signal came after its last step)."""
+
+    entered: ClassVar[list[StopSignals]] = []
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
@@ -42,14 +47,27 @@ class StopSignals:
     def __enter__(self) -> Self:
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._note)
+        StopSignals.entered.append(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        StopSignals.entered.remove(self)
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)
+
+
+def note_stop(signum: int) -> None:
+    """A handler in place of the entered StopSignals' handlers got `signum`: each of them notes it."""
+    for stop in StopSignals.entered:
+        stop._note(signum, None)
+
+
+def stop_noted() -> signal.Signals | None:
+    """The first stop signal an entered StopSignals noted (work that starts stops at once), else None."""
+    return next((stop.received for stop in StopSignals.entered if stop.received is not None), None)
 
 
 class DeferredStop:
@@ -85,6 +103,7 @@ def stopping_at_once(stopped: Callable[[signal.Signals], str]) -> Iterator[None]
     received: list[signal.Signals] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        note_stop(signum)
         if not received:
             received.append(signal.Signals(signum))
             stopped_run = StoppedBySignal(received[0], stopped(received[0]))

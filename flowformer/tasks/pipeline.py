@@ -136,7 +136,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
-from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, stopping_at_once
+from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals, note_stop, stopping_at_once
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
@@ -428,33 +428,38 @@ def follow() -> None:
     together. Alone (one pipeline) it raises at once and the launcher ends the job, also where the stage
     failed here only (one GPU out of memory), which rank 0, in its DDP step, waits on. A stop signal stops the
     stage on every process after the same step (flowformer/tasks/preemption.py); this process then waits for
-    rank 0 to say the stages are over, and stops with one line that points to rank 0's."""
+    rank 0 to say the stages are over, and stops with one line that points to rank 0's. A stop signal between
+    the stages, or after a stage's last step, is kept until then too: rank 0, signalled as well, stops before
+    its next stage or evaluation."""
     failure: BaseException | None = None
-    while True:
-        message: list[Any] = [None]
-        torch.distributed.broadcast_object_list(message, src=0)
-        if message[0] is None:
-            break
-        if failure is None:
-            rank = torch.distributed.get_rank()
-            log.info("pipeline: rank %d trains %s", rank, message[0]["paths"]["output_dir"])
-            try:
-                fit(OmegaConf.create(message[0]))
-            except StoppedBySignal as stop:  # rank 0 stopped after the same step, and ends the stages
-                failure = StoppedBySignal(
-                    stop.signum,
-                    f"pipeline: rank {rank} stopped by {stop.signum.name} with the stage's other processes; global "
-                    "rank 0's line says how to continue",
-                )
-            except Exception as error:  # in a table, raised once rank 0 says the row's stages are over
-                if not in_multirun():
-                    raise
-                rejoin_process_group()
-                failure = error
-            finally:
-                close_loggers()
+    rank = torch.distributed.get_rank()
+    with StopSignals() as stop:
+        while True:
+            message: list[Any] = [None]
+            torch.distributed.broadcast_object_list(message, src=0)
+            if message[0] is None:
+                break
+            if failure is None:
+                log.info("pipeline: rank %d trains %s", rank, message[0]["paths"]["output_dir"])
+                try:
+                    fit(OmegaConf.create(message[0]))
+                except StoppedBySignal:  # rank 0 stopped after the same step, and ends the stages; `stop` has it
+                    pass
+                except Exception as error:  # in a table, raised once rank 0 says the row's stages are over
+                    if not in_multirun():
+                        raise
+                    rejoin_process_group()
+                    failure = error
+                finally:
+                    close_loggers()
     if failure is not None:
         raise failure
+    if stop.received is not None:
+        raise StoppedBySignal(
+            stop.received,
+            f"pipeline: rank {rank} stopped by {stop.received.name} with the stage's other processes; global rank "
+            "0's line says how to continue",
+        )
 
 
 def train_stage(
@@ -519,6 +524,7 @@ def run_child(command: list[str], where: str, resume: str) -> None:
     received: list[signal.Signals] = []
 
     def pass_on(signum: int, _: object) -> None:
+        note_stop(signum)
         received.append(signal.Signals(signum))
         process.send_signal(signum)
 
@@ -560,6 +566,7 @@ class Pipeline:
         self.pretraining_only = {str(key) for key in cfg.pipeline.pretraining_only}
         self.configs: dict[str, DictConfig] = {}
         self.composed: dict[tuple, tuple[DictConfig, list, list]] = {}
+        self.signals = StopSignals()  # the first stop signal since `run` started
         earlier_stages = {entry["name"]: entry for entry in (earlier or {}).get("stages", [])}
         earlier_evaluations = {entry["label"]: entry for entry in (earlier or {}).get("evaluations", [])}
         self.record: dict[str, Any] = {
@@ -645,21 +652,37 @@ class Pipeline:
 
     def run(self) -> dict[str, Any]:
         """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json). Under a
-        launcher the other processes are told the stages are over however they end (refused by the plan too)."""
+        launcher the other processes are told the stages are over however they end (refused by the plan too).
+        A stop signal between them, or after a stage's last step (which finishes it), stops the pipeline before
+        the next one (`stop_if_signalled`); one while a stage starts stops it after its first step."""
         checkpoint: Path | None = None
-        try:
-            ensure_writable_dir(self.run_dir, "the pipeline's run directory")
-            self.plan()
-            for index, stage in enumerate(self.stages, 1):
-                checkpoint = self.run_stage(index, stage, checkpoint)
-        finally:
-            if self.launched:
-                send_to_followers(None)
-        backbone = self.configs[self.stages[-1].name].backbone
-        first_epes = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
+        with self.signals:
+            try:
+                ensure_writable_dir(self.run_dir, "the pipeline's run directory")
+                self.plan()
+                for index, stage in enumerate(self.stages, 1):
+                    checkpoint = self.run_stage(index, stage, checkpoint)
+            finally:
+                if self.launched:
+                    send_to_followers(None)
+            backbone = self.configs[self.stages[-1].name].backbone
+            first_epes = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
         self.record.update(status="done", metric=first_epes[0] if first_epes else None)
         self.save()
         return self.record
+
+    def stop_if_signalled(self, where: str) -> None:
+        """Stops the pipeline before `where` (its record: stopped) when a stop signal came since it started."""
+        signum = self.signals.received
+        if signum is None:
+            return
+        self.record["status"] = "stopped"
+        self.save()
+        raise StoppedBySignal(
+            signum,
+            f"pipeline stopped by {signum.name} before {where}: the finished stages are kept in {self.run_dir} "
+            f"({RECORD}); continue with {self.continuation()}",
+        )
 
     def stage_inputs(self, stage: Stage, init_from: Path | None) -> tuple[list[str], list[str]]:
         """A stage's overrides beside its own: the hand-off from the previous stage (model.init_from) and the
@@ -702,6 +725,7 @@ class Pipeline:
         latest = latest_checkpoint(entry, stage_dir)
         if latest is not None and entry["status"] != "pending" and trained_to_the_end(latest, stage_cfg):
             return self.finished_unrecorded(entry, where, latest)
+        self.stop_if_signalled(where)
         resume_from = set_aside(stage_dir) or latest
         command = [sys.executable, str(RUN_PY), *overrides, *self.pass_through(stage_dir), *result]
         command.append(f"hydra.run.dir={path_value(stage_dir)}")
@@ -780,6 +804,7 @@ class Pipeline:
         if self.evaluated_already(entry, overrides, sha, where):
             log.info("pipeline: %s finished already (%s)", where, entry["results_json"])
             return first_epe(entry["results_json"])
+        self.stop_if_signalled(where)
         set_aside(eval_dir)
         entry.update(
             status="running",
@@ -854,9 +879,10 @@ class Pipeline:
 
 def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
     """Where this job's pipeline runs: its own run directory, or the one pipeline.resume names (in a
-    multirun, the job's namesake inside the sweep directory it names) with the record found there. A command
-    run again in its own run directory, which holds its record (a requeued SLURM job in `slurm-<job>.<step>`,
-    torchrun with the same --rdzv-id), continues it as pipeline.resume would."""
+    multirun, the job's namesake inside the sweep directory it names) with the record found there; a row of a
+    table that stopped before it (its namesake missing where other rows of the table started) starts there. A
+    command run again in its own run directory, which holds its record (a requeued SLURM job in
+    `slurm-<job>.<step>`, torchrun with the same --rdzv-id), continues it as pipeline.resume would."""
     resume = cfg.pipeline.get("resume")
     own = Path(cfg.paths.output_dir).resolve()
     if not resume and (own / RECORD).is_file():
@@ -866,7 +892,10 @@ def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
         return own, None
     folder = Path(resume).resolve()
     if in_multirun() and not (folder / RECORD).is_file():
-        folder = folder / Path(HydraConfig.get().runtime.output_dir).name
+        sweep, folder = folder, folder / Path(HydraConfig.get().runtime.output_dir).name
+        if not folder.exists() and table_started_in(sweep, str(cfg.name)):
+            log.info("pipeline: this row had not started (the table stopped before it): it starts in %s", folder)
+            return folder, None
     path = folder / RECORD
     if not path.is_file():
         raise FileNotFoundError(
@@ -880,6 +909,17 @@ def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
     check_record(record, path)
     log.info("pipeline: resuming %s (this run's own log: %s)", folder, cfg.paths.output_dir)
     return folder, moved_record(record, folder)
+
+
+def table_started_in(sweep: Path, name: str) -> bool:
+    """Whether a row of table `name` (its jobs' `name`) started in the sweep directory `sweep`: one holds a
+    record of it."""
+    for path in sweep.glob(f"*/{RECORD}"):
+        with suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            if isinstance(record, dict) and record.get("name") == name:
+                return True
+    return False
 
 
 RECORD_ADVICE = "put back a good copy of it, or start a fresh run (without pipeline.resume)"

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
-from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children
+from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children, note_stop, stop_noted
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,11 @@ class Preemption(L.Callback):
         self._trainer = trainer
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._request_stop)
+        if (noted := stop_noted()) is not None:  # while training started, in a pipeline: stop after the first step
+            self._request_stop(noted, None)
 
     def _request_stop(self, signum: int, frame: FrameType | None) -> None:
+        note_stop(signum)
         self.received = self.received or signal.Signals(signum)
         self._stop_requested = True
         if self._trainer is not None and self._trainer.world_size == 1:

@@ -83,6 +83,29 @@ class SignalAtStep(L.Callback):
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
+class CtrlCOnce(L.Callback):
+    """Ctrl-C (SIGINT to the whole process group, sent from another process as a terminal's is) unless `marker`
+    exists (it is created first): `at` "fit_start", while the run starts, before its stop handlers are in
+    place; "train_end", after its last step, too late to stop it. Only for a run started in a session of its
+    own."""
+
+    def __init__(self, at: str, marker: str) -> None:
+        self.at = at
+        self.marker = Path(marker)
+
+    def on_fit_start(self, *args) -> None:
+        self._press("fit_start")
+
+    def on_train_end(self, *args) -> None:
+        self._press("train_end")
+
+    def _press(self, now: str) -> None:
+        if now == self.at and not self.marker.exists():
+            self.marker.touch()
+            sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.SIGINT)"
+            subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
+
+
 def fill_disk(folder: str | Path, patch: Callable[[object, str, object], None] = setattr) -> str:
     """Make the disk of `folder` full and say how. On a tmpfs mounted at `folder` ("tmpfs"), a filler file grows
     until the kernel answers ENOSPC. Elsewhere ("simulated": where mounting one is not permitted), every write

@@ -6,7 +6,6 @@ pipeline.resume; a table's failed row (refused, failing on every process or on o
 step for the next; a table's pipeline.resume names its sweep directory; a pipeline under srun warned by SLURM
 is requeued and its requeued job step finishes it. Two gloo processes on the CPU stand for two GPUs."""
 
-import json
 import os
 import subprocess
 import sys
@@ -18,41 +17,12 @@ import torch
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import REPO_DIR
-from helpers.run import free_port, fresh_checkout, run_job_step, run_py, srun_task, stub_scontrol
+from helpers.protocols import checkout_with_protocol, record
+from helpers.run import free_port, run_job_step, run_py, srun_task, stub_scontrol
 
 # DDP on the CPU (gloo), as tests/tasks/test_ddp.py runs it; helpers.faults importable in every process.
 GLOO = ("trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=1")
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_DIR / "tests")}
-
-
-# A protocol of one or two supervised stages, each {name: [its own overrides]}, with the smoke protocol's sizes.
-PROTOCOL = """\
-# @package _global_
-task: pipeline
-name: {name}
-pipeline:
-  shared: [backbone=tiny, trainer=cpu, trainer.max_steps=2, trainer.val_check_interval=2, trainer.limit_val_batches=1,
-    trainer.log_every_n_steps=1, trainer.enable_progress_bar=false, callbacks.progress_bar=null, data.batch_size=2,
-    data.val_batch_size=2, data.val.synthetic.dataset.num_samples=2, model.train_iters=2, model.num_val_panels=0]
-  stages: {stages}
-  evaluate: {evaluate}
-"""
-# Its evaluation; a test of where the processes train leaves it out (`evaluate=False`): a process of its own.
-EVALUATE = "{plain: [eval=synthetic, eval.benchmarks.synthetic.iters=2, eval.max_samples=2]}"
-
-
-def checkout_with_protocol(tmp_path: Path, name: str, evaluate: bool = True, **stages: list[str]) -> Path:
-    """A fresh checkout whose conf/protocol/<name>.yaml trains `stages` on synthetic data (then evaluates the
-    last one, unless not `evaluate`)."""
-    checkout = fresh_checkout(tmp_path / "checkout")
-    entries = [{"name": stage, "overrides": ["task=train", "model=flow", "data=synthetic", *own]} for stage, own in stages.items()]
-    text = PROTOCOL.format(name=name, stages=json.dumps(entries), evaluate=EVALUATE if evaluate else "{}")
-    (checkout / "conf" / "protocol" / f"{name}.yaml").write_text(text)
-    return checkout
-
-
-def record(run_dir: Path) -> dict:
-    return json.loads((run_dir / "pipeline.json").read_text())
 
 
 def test_a_table_under_lightning_ddp_runs_every_row_with_one_set_of_records(tmp_path):

@@ -41,6 +41,7 @@ from flowformer.tasks.preemption import Preemption
 
 from helpers.configs import REPO_DIR, build_backbone
 from helpers.faults import SignalAtStep
+from helpers.protocols import checkout_with_protocol, record
 from helpers.run import (
     free_port,
     fresh_checkout,
@@ -177,6 +178,56 @@ def test_ctrl_c_in_the_demos_finetuning_stops_its_pipeline_saved_and_says_how_to
     assert lines[0].endswith(
         "pipeline stage 2/2 finetune was stopped by SIGINT (its last.ckpt is kept); continue with "
         f"pipeline.resume={run_dir}"
+    )
+
+
+def test_ctrl_c_as_a_tables_stage_ends_stops_the_table_and_its_line_finishes_every_row(tmp_path):
+    """A two-row table in one process (`python run.py -m task=pipeline protocol=<its own>
+    model.optimizer.lr=2e-4,1e-4`), Ctrl-C as the first row's first stage ends, after its last step: too late to
+    stop that stage, which is kept done; the table stops before the row's next stage (status 130, one line, the
+    second row not started). It ran to its end before: the stage's stop handler took the signal and nothing
+    asked for it afterwards. The line's command, the table's with pipeline.resume=<sweep dir>, finishes the
+    first row and runs the second, which the table had not started (refused before: its folder is missing)."""
+    ctrl_c = f"+callbacks.ctrl_c={{_target_:helpers.faults.CtrlCOnce,at:train_end,marker:'{tmp_path / 'pressed'}'}}"
+    checkout = checkout_with_protocol(tmp_path, "stopped_table", evaluate=False, chairs=[ctrl_c], things=[])
+    command = ("-m", "task=pipeline", "protocol=stopped_table", "model.optimizer.lr=2e-4,1e-4")
+    stopped = run_py(*command, cwd=checkout, env=ENV, new_session=True, expect_ok=False, timeout=600)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGINT, output[-4000:]
+    [sweep] = (checkout / "logs" / "pipeline" / "stopped_table" / "multiruns").iterdir()
+    first, second = sweep / "0_model.optimizer.lr=0.0002", sweep / "1_model.optimizer.lr=0.0001"
+    assert not second.exists()
+    assert record(first)["status"] == "stopped"
+    assert [stage["status"] for stage in record(first)["stages"]] == ["done", "pending"]
+    lines = [line for line in output.splitlines() if "stopped by SIGINT" in line]
+    assert len(lines) == 1 and "Traceback" not in output, output[-4000:]
+    assert lines[0].endswith(
+        f"pipeline stopped by SIGINT before stage 2/2 things: the finished stages are kept in {first} "
+        f"(pipeline.json); continue with the table's command and pipeline.resume={sweep}"
+    )
+
+    finished = run_py(*command, f"pipeline.resume={sweep}", cwd=checkout, env=ENV, timeout=600)
+    assert "pipeline: stage 1/2 chairs finished already" in finished.stdout + finished.stderr
+    for row in (first, second):
+        assert record(row)["status"] == "done" and [s["status"] for s in record(row)["stages"]] == ["done", "done"]
+
+
+def test_ctrl_c_while_a_pipelines_stage_starts_stops_it_after_its_first_step(tmp_path):
+    """`python run.py task=pipeline protocol=<its own>`, Ctrl-C while its first stage's training starts, before
+    training's stop handlers are in place (a GPU's start-up takes seconds): the stage stops after its first step
+    with last.ckpt there (status 130, the pipeline's one line). Before, Python's KeyboardInterrupt ended the
+    pipeline there, with Lightning's "Detected KeyboardInterrupt" and status 1."""
+    ctrl_c = f"+callbacks.ctrl_c={{_target_:helpers.faults.CtrlCOnce,at:fit_start,marker:'{tmp_path / 'pressed'}'}}"
+    checkout = checkout_with_protocol(tmp_path, "started", evaluate=False, chairs=["trainer.max_steps=4", ctrl_c])
+    stopped = run_py("task=pipeline", "protocol=started", cwd=checkout, env=ENV, new_session=True, expect_ok=False)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGINT, output[-4000:]
+    [run_dir] = (checkout / "logs" / "pipeline" / "started" / "runs").iterdir()
+    assert record(run_dir)["status"] == "stopped" and saved_step(run_dir / "chairs" / "checkpoints" / "last.ckpt") == 1
+    lines = [line for line in output.splitlines() if "stopped by SIGINT" in line]
+    assert len(lines) == 1 and "Traceback" not in output, output[-4000:]
+    assert lines[0].endswith(
+        f"pipeline stage 1/1 chairs was stopped by SIGINT (its last.ckpt is kept); continue with pipeline.resume={run_dir}"
     )
 
 
