@@ -39,6 +39,10 @@ process's peak RSS only grows) and a row that runs out of memory is recorded as 
 benchmark. Writes <run dir>/bench.json (the machine and every row), bench.md (the table) and bench.png (time and
 peak memory against megapixels, one line per path, recomputed stages and precision). Returns the first row's mean
 seconds per step.
+
+A stop signal (Ctrl-C, SIGTERM, SIGUSR1) ends the row in progress (its process is killed; the rows' processes
+never see the signals themselves) and the rows after it: each is recorded "stopped by <signal>", the files are
+written with the rows measured so far, and the run exits with status 128 + the signal's number, one line saying so.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import signal
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -68,6 +73,7 @@ from flowformer.device_settings import device_memory_settings, optimizer_device_
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
+from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals
 from flowformer.tasks.runtime import (
     InferenceContext,
     autocast_context,
@@ -305,17 +311,27 @@ def _measure_in_child(config: dict, results: multiprocessing.Queue) -> None:
         results.put({"status": "failed", "error": f"{type(error).__name__}: {error}".splitlines()[0]})
 
 
-def measure_isolated(cfg: DictConfig, timeout_s: float | None) -> dict[str, Any]:
+def measure_isolated(cfg: DictConfig, timeout_s: float | None, stop: StopSignals) -> dict[str, Any]:
     """`measure(cfg)` in a fresh (spawned) process; a process killed on the way (e.g. by the kernel's OOM
-    killer) or past `timeout_s` gives a row with that status instead of an exception."""
+    killer), past `timeout_s` or on a stop signal (`stop.received`) gives a row with that status instead of an
+    exception. The process starts with the stop signals blocked (a spawned process keeps its parent's signal
+    mask), so a terminal's Ctrl-C, which reaches every process of the job, leaves it to this one."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     child = context.Process(target=_measure_in_child, args=(OmegaConf.to_container(cfg), results))
-    child.start()
-    child.join(timeout_s)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        child.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one that came meanwhile is handled now
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while child.is_alive() and stop.received is None and (deadline is None or time.monotonic() < deadline):
+        child.join(0.1 if deadline is None else min(0.1, max(deadline - time.monotonic(), 0.0)))
     if child.is_alive():
         child.kill()
         child.join()
+        if stop.received is not None:
+            return {"status": f"stopped by {stop.received.name}"}
         return {"status": f"stopped after bench.timeout_s={timeout_s}"}
     if child.exitcode != 0:  # died without reporting: killed, or crashed outside Python
         killed = child.exitcode < 0 and -child.exitcode == 9
@@ -447,9 +463,10 @@ def named_configs(cfg: DictConfig, command_line: list[str]) -> list[tuple[str | 
     ]
 
 
-def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
+def measure_rows(cfg: DictConfig, name: str | None, stop: StopSignals) -> list[dict[str, Any]]:
     """The rows of one config: one per size x memory path x recomputed stages x precision, each measured in its
-    own process, the backbone's memory settings chosen once for bench.device (and logged)."""
+    own process, the backbone's memory settings chosen once for bench.device (and logged); once a stop signal
+    came (`stop.received`), each row is recorded stopped instead."""
     check_settings(cfg)
     bench = cfg.bench
     chosen = device_memory_settings(cfg.backbone, pick_device(bench.device), training=bench.mode != "forward")
@@ -475,8 +492,11 @@ def measure_rows(cfg: DictConfig, name: str | None) -> list[dict[str, Any]]:
             "precision": precision,
             "matmul_precision": cfg.runtime.matmul_precision,
         }
+        if stop.received is not None:
+            rows.append(row | {"status": f"stopped by {stop.received.name}"})
+            continue
         log.info("bench: %s", row)
-        row |= measure_isolated(row_config(cfg, size, budget_gb, precision, recomputed), bench.timeout_s)
+        row |= measure_isolated(row_config(cfg, size, budget_gb, precision, recomputed), bench.timeout_s, stop)
         log.info("bench: %s", json.dumps(row))
         rows.append(row)
     return rows
@@ -493,7 +513,8 @@ def run(cfg: DictConfig) -> float:
     for _, row_cfg in configs:
         check_settings(row_cfg)  # every row's settings before the first row runs
     output_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for name, row_cfg in configs for row in measure_rows(row_cfg, name)]
+    with StopSignals() as stop:
+        rows = [row for name, row_cfg in configs for row in measure_rows(row_cfg, name, stop)]
     runtime = cfg.runtime
     setup = {
         key: cfg.bench[key] for key in ("mode", "batch_size", "iters", "warmup", "repeats", "device")
@@ -530,4 +551,11 @@ def run(cfg: DictConfig) -> float:
     )
     plot(rows, title, output_dir / "bench.png")
     print(f"{title}\n{table}\nwrote {output_dir / 'bench.json'}, bench.md, bench.png")
+    if stop.received is not None:
+        measured = sum(row["status"] == "ok" for row in rows)
+        raise StoppedBySignal(
+            stop.received,
+            f"task=bench stopped by {stop.received.name}: {measured} of its {len(rows)} rows measured, in "
+            f"{output_dir / 'bench.json'}; the others are recorded stopped",
+        )
     return rows[0].get("mean_s", float("nan"))

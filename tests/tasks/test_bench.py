@@ -2,6 +2,9 @@
 JSON report and a plot; the training steps it times really train."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.tasks import bench
 
 from helpers.compose import compose_tiny_config
+from helpers.run import start_run_py
 
 
 def config(*overrides: str):
@@ -90,6 +94,36 @@ def test_a_row_that_fails_reports_its_error_and_the_next_row_runs(tmp_path):
     failed, done = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert failed["status"] == "failed" and "at least 16x16 pixels" in failed["error"] and done["status"] == "ok"
     assert "| failed: ValueError: " in (tmp_path / "bench.md").read_text()
+
+
+def test_ctrl_c_during_a_bench_keeps_the_rows_measured_and_records_the_others_stopped(tmp_path):
+    """`python run.py task=bench ...` of three rows, Ctrl-C (SIGINT to its process group, as a terminal sends it)
+    once the first row is measured: the row in progress is ended (its process never sees the signal), the files
+    hold the first row and the two others recorded stopped, status 130, one line, no traceback. Before, every
+    process printed a KeyboardInterrupt traceback and nothing was written."""
+    run_dir = tmp_path / "run"
+    process = start_run_py(
+        "task=bench", "backbone=tiny", "bench.device=cpu", "bench.sizes=[[64,96],[64,96],[64,96]]", "bench.iters=1",
+        "bench.repeats=1", "bench.warmup=0", f"hydra.run.dir={run_dir}", new_session=True,
+    )
+    deadline, log = time.monotonic() + 300, run_dir / "run.log"
+    while not log.is_file() or '"status": "ok"' not in log.read_text():  # the first row's result
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the first row was not measured: {process.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    rows = json.loads((run_dir / "bench.json").read_text())["rows"]
+    assert [row["status"] for row in rows] == ["ok", "stopped by SIGINT", "stopped by SIGINT"]
+    assert (run_dir / "bench.md").read_text().count("| stopped by SIGINT |") == 2
+    lines = [line for line in log.read_text().splitlines() if "task=bench stopped" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        f"task=bench stopped by SIGINT: 1 of its 3 rows measured, in {run_dir / 'bench.json'}; the others are "
+        "recorded stopped"
+    )
 
 
 def test_row_config_sets_the_memory_path_of_the_backbone_and_of_the_model():
