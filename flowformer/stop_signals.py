@@ -33,10 +33,11 @@ class StoppedBySignal(SystemExit):
 
 class StopSignals:
     """``with StopSignals() as stop:`` the stop signals set ``stop.received`` (the first one) instead of
-    ending the process, for work that stops at a safe point of its own; the handlers before are put back.
-    Handlers that take its place for a part of the work (training's, an evaluation's, a child process's) tell
-    it of the signals they get (:func:`note_stop`), so that the work around stops once that part is over, also
-    where the part finished anyway (the signal came after its last step)."""
+    ending the process, for work that stops at a safe point of its own; the handlers before are put back where
+    its own are still in place (a SLURM requeue's SIGTERM stays ignored to the process's end). Handlers that
+    take its place for a part of the work (training's, an evaluation's, a child process's) tell it of the
+    signals they get (:func:`note_stop`), so that the work around stops once that part is over, also where the
+    part finished anyway (the signal came after its last step)."""
 
     entered: ClassVar[list[StopSignals]] = []
 
@@ -53,7 +54,8 @@ class StopSignals:
     def __exit__(self, *exc_info: object) -> None:
         StopSignals.entered.remove(self)
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) == self._note:  # not one set meanwhile (requeue_if_warned's SIG_IGN)
+                signal.signal(signum, handler)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)

@@ -654,7 +654,8 @@ class Pipeline:
         """Every stage, then every evaluation; returns the record (also in <run dir>/pipeline.json). Under a
         launcher the other processes are told the stages are over however they end (refused by the plan too).
         A stop signal between them, or after a stage's last step (which finishes it), stops the pipeline before
-        the next one (`stop_if_signalled`); one while a stage starts stops it after its first step."""
+        the next one (`stop_if_signalled`); one while a stage starts stops it after its first step; one after
+        the last of them stops the process once the record says done (a table's next row does not start)."""
         checkpoint: Path | None = None
         with self.signals:
             try:
@@ -669,6 +670,11 @@ class Pipeline:
             first_epes = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
         self.record.update(status="done", metric=first_epes[0] if first_epes else None)
         self.save()
+        if (signum := self.signals.received) is not None:
+            table = f"; continue the table with {self.continuation()}" if in_multirun() else ""
+            raise StoppedBySignal(
+                signum, f"pipeline stopped by {signum.name} as it finished: its record is {self.run_dir / RECORD}{table}"
+            )
         return self.record
 
     def stop_if_signalled(self, where: str) -> None:

@@ -181,15 +181,19 @@ def test_ctrl_c_in_the_demos_finetuning_stops_its_pipeline_saved_and_says_how_to
     )
 
 
-def test_ctrl_c_as_a_tables_stage_ends_stops_the_table_and_its_line_finishes_every_row(tmp_path):
+@pytest.mark.parametrize("stage", ["chairs", "things"])
+def test_ctrl_c_as_a_tables_stage_ends_stops_the_table_and_its_line_finishes_every_row(tmp_path, stage):
     """A two-row table in one process (`python run.py -m task=pipeline protocol=<its own>
-    model.optimizer.lr=2e-4,1e-4`), Ctrl-C as the first row's first stage ends, after its last step: too late to
-    stop that stage, which is kept done; the table stops before the row's next stage (status 130, one line, the
-    second row not started). It ran to its end before: the stage's stop handler took the signal and nothing
-    asked for it afterwards. The line's command, the table's with pipeline.resume=<sweep dir>, finishes the
-    first row and runs the second, which the table had not started (refused before: its folder is missing)."""
+    model.optimizer.lr=2e-4,1e-4`), Ctrl-C as a stage of the first row ends, after its last step: too late to
+    stop that stage, which is kept done; the table stops before the row's next stage, or once the row is done
+    when it was its last (status 130, one line, the second row not started). It ran to its end before: the
+    stage's stop handler took the signal and nothing asked for it afterwards. The line's command, the table's
+    with pipeline.resume=<sweep dir>, finishes the first row and runs the second, which the table had not
+    started (refused before: its folder is missing)."""
     ctrl_c = f"+callbacks.ctrl_c={{_target_:helpers.faults.CtrlCOnce,at:train_end,marker:'{tmp_path / 'pressed'}'}}"
-    checkout = checkout_with_protocol(tmp_path, "stopped_table", evaluate=False, chairs=[ctrl_c], things=[])
+    stages = {"chairs": [], "things": []}
+    stages[stage].append(ctrl_c)
+    checkout = checkout_with_protocol(tmp_path, "stopped_table", evaluate=False, **stages)
     command = ("-m", "task=pipeline", "protocol=stopped_table", "model.optimizer.lr=2e-4,1e-4")
     stopped = run_py(*command, cwd=checkout, env=ENV, new_session=True, expect_ok=False, timeout=600)
     output = stopped.stdout + stopped.stderr
@@ -197,13 +201,17 @@ def test_ctrl_c_as_a_tables_stage_ends_stops_the_table_and_its_line_finishes_eve
     [sweep] = (checkout / "logs" / "pipeline" / "stopped_table" / "multiruns").iterdir()
     first, second = sweep / "0_model.optimizer.lr=0.0002", sweep / "1_model.optimizer.lr=0.0001"
     assert not second.exists()
-    assert record(first)["status"] == "stopped"
-    assert [stage["status"] for stage in record(first)["stages"]] == ["done", "pending"]
+    if stage == "chairs":
+        assert record(first)["status"] == "stopped"
+        assert [entry["status"] for entry in record(first)["stages"]] == ["done", "pending"]
+        ending = f"before stage 2/2 things: the finished stages are kept in {first} (pipeline.json); continue with"
+    else:
+        assert record(first)["status"] == "done"
+        ending = f"as it finished: its record is {first / 'pipeline.json'}; continue the table with"
     lines = [line for line in output.splitlines() if "stopped by SIGINT" in line]
     assert len(lines) == 1 and "Traceback" not in output, output[-4000:]
     assert lines[0].endswith(
-        f"pipeline stopped by SIGINT before stage 2/2 things: the finished stages are kept in {first} "
-        f"(pipeline.json); continue with the table's command and pipeline.resume={sweep}"
+        f"pipeline stopped by SIGINT {ending} the table's command and pipeline.resume={sweep}"
     )
 
     finished = run_py(*command, f"pipeline.resume={sweep}", cwd=checkout, env=ENV, timeout=600)
