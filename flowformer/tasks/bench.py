@@ -556,6 +556,6 @@ def run(cfg: DictConfig) -> float:
         raise StoppedBySignal(
             stop.received,
             f"task=bench stopped by {stop.received.name}: {measured} of its {len(rows)} rows measured, in "
-            f"{output_dir / 'bench.json'}; the others are recorded stopped",
+            f"{output_dir / 'bench.json'}; the rows it did not finish are recorded stopped",
         )
     return rows[0].get("mean_s", float("nan"))

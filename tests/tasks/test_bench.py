@@ -121,8 +121,8 @@ def test_ctrl_c_during_a_bench_keeps_the_rows_measured_and_records_the_others_st
     assert (run_dir / "bench.md").read_text().count("| stopped by SIGINT |") == 2
     lines = [line for line in log.read_text().splitlines() if "task=bench stopped" in line]
     assert len(lines) == 1 and lines[0].endswith(
-        f"task=bench stopped by SIGINT: 1 of its 3 rows measured, in {run_dir / 'bench.json'}; the others are "
-        "recorded stopped"
+        f"task=bench stopped by SIGINT: 1 of its 3 rows measured, in {run_dir / 'bench.json'}; the rows it did not "
+        "finish are recorded stopped"
     )
 
 
