@@ -431,7 +431,7 @@ def follow() -> None:
     rank 0 to say the stages are over, and stops with one line that points to rank 0's. A stop signal between
     the stages, or after a stage's last step, is kept until then too: rank 0, signalled as well, stops before
     its next stage or evaluation."""
-    failure: BaseException | None = None
+    failure: Exception | None = None
     rank = torch.distributed.get_rank()
     with StopSignals() as stop:
         while True:

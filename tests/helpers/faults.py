@@ -77,8 +77,7 @@ class SignalAtStep(L.Callback):
                 if trainer.global_rank == 0:
                     os.kill(os.getppid(), getattr(signal, self.signal_name))
             elif self.group:
-                sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.{self.signal_name})"
-                subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
+                signal_group(self.signal_name)
             else:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
 
@@ -102,8 +101,14 @@ class CtrlCOnce(L.Callback):
     def _press(self, now: str) -> None:
         if now == self.at and not self.marker.exists():
             self.marker.touch()
-            sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.SIGINT)"
-            subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
+            signal_group("SIGINT")
+
+
+def signal_group(signal_name: str) -> None:
+    """`signal_name` to this process's whole group, sent by another process as SLURM's and a terminal's are;
+    returns once it is sent."""
+    sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.{signal_name})"
+    subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
 
 
 def fill_disk(folder: str | Path, patch: Callable[[object, str, object], None] = setattr) -> str:
