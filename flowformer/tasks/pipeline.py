@@ -136,7 +136,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
-from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals, note_stop, stopping_at_once
+from flowformer.stop_signals import (
+    STOP_SIGNALS,
+    StoppedBySignal,
+    StopSignals,
+    note_stop,
+    stop_noted,
+    stopping_at_once,
+)
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
@@ -549,14 +556,23 @@ def run_child(command: list[str], where: str, resume: str) -> None:
 
 class Pipeline:
     """The stages of one job, run in order into `run_dir`, then the evaluations; `earlier` is the record of a
-    run being resumed. `configs` holds every composed stage and evaluation config by name / label."""
+    run being resumed; `resume_dir` is what pipeline.resume names to continue it (its run directory, or that
+    of the job it is a part of: experiment=quickstart's from_scratch/). `configs` holds every composed stage
+    and evaluation config by name / label."""
 
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, stages: list[Stage], earlier: dict | None = None, launched: bool = False
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        stages: list[Stage],
+        earlier: dict | None = None,
+        launched: bool = False,
+        resume_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.launched = launched
         self.run_dir = run_dir
+        self.resume_dir = resume_dir or run_dir
         self.stages = stages
         self.shared = [str(override) for override in cfg.pipeline.shared]
         self.evaluate = {str(label): [str(o) for o in overrides] for label, overrides in cfg.pipeline.evaluate.items()}
@@ -594,8 +610,8 @@ class Pipeline:
         """What continues this pipeline: pipeline.resume=<its run dir>; in a table (a multirun, whatever its
         launcher), the table's command with pipeline.resume=<its sweep dir>, where each row finds its own."""
         if in_multirun():
-            return f"the table's command and pipeline.resume={self.run_dir.parent}"
-        return f"pipeline.resume={self.run_dir}"
+            return f"the table's command and pipeline.resume={self.resume_dir.parent}"
+        return f"pipeline.resume={self.resume_dir}"
 
     def pass_through(self, output_dir: Path) -> list[str]:
         """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline; with
@@ -678,8 +694,9 @@ class Pipeline:
         return self.record
 
     def stop_if_signalled(self, where: str) -> None:
-        """Stops the pipeline before `where` (its record: stopped) when a stop signal came since it started."""
-        signum = self.signals.received
+        """Stops the pipeline before `where` (its record: stopped) when a stop signal came since it started, or
+        since the work it is a part of started (experiment=quickstart's from_scratch/ after the first pipeline)."""
+        signum = stop_noted()
         if signum is None:
             return
         self.record["status"] = "stopped"
@@ -902,19 +919,25 @@ def pipeline_dir(cfg: DictConfig) -> tuple[Path, dict[str, Any] | None]:
         if not folder.exists() and table_started_in(sweep, str(cfg.name)):
             log.info("pipeline: this row had not started (the table stopped before it): it starts in %s", folder)
             return folder, None
-    path = folder / RECORD
-    if not path.is_file():
+    if not (folder / RECORD).is_file():
         raise FileNotFoundError(
-            f"pipeline.resume={resume}: {path} does not exist; give the run directory of an earlier "
-            "task=pipeline run (in a multirun, its sweep directory, run with the same sweep)"
+            f"pipeline.resume={resume}: {folder / RECORD} does not exist; give the run directory of an earlier "
+            "run of this pipeline (task=pipeline or experiment=quickstart; in a multirun, its sweep directory, run "
+            "with the same sweep)"
         )
+    log.info("pipeline: resuming %s (this run's own log: %s)", folder, cfg.paths.output_dir)
+    return folder, read_record(folder)
+
+
+def read_record(folder: Path) -> dict[str, Any]:
+    """The pipeline record in `folder` as a resume reads it: checked, its paths taken to `folder`."""
+    path = folder / RECORD
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"pipeline.resume: {path} is not a pipeline record ({error}); {RECORD_ADVICE}") from None
     check_record(record, path)
-    log.info("pipeline: resuming %s (this run's own log: %s)", folder, cfg.paths.output_dir)
-    return folder, moved_record(record, folder)
+    return moved_record(record, folder)
 
 
 def table_started_in(sweep: Path, name: str) -> bool:

@@ -7,13 +7,16 @@ pipeline of their own in <run dir>/from_scratch/. Prints and writes <run dir>/me
 EPE of the finetuned model(s) next to the zero-flow EPE, writes <run dir>/heldout_pairs.png (image | ground
 truth | prediction | error of `quickstart.panel_pairs` held-out pairs) and returns the EPE of the
 pretrained-then-finetuned model; exits with status 1 when that EPE is above `quickstart.max_epe_ratio` of the
-zero-flow EPE.
+zero-flow EPE. A stop signal (Ctrl-C) stops it with its work kept, as task=pipeline's, and the same command
+with `pipeline.resume=<run dir>` (its line names it) continues it there.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import signal
 from pathlib import Path
 
 import torch
@@ -22,8 +25,9 @@ from omegaconf import DictConfig
 from flowformer.data.io import write_image
 from flowformer.eval.baselines import baseline_methods
 from flowformer.models.output_files import atomic_write_text
+from flowformer.stop_signals import StoppedBySignal, StopSignals, stopping_at_once
 from flowformer.tasks.eval import open_sets, score_baselines
-from flowformer.tasks.pipeline import Pipeline, read_stages
+from flowformer.tasks.pipeline import RECORD, Pipeline, pipeline_dir, read_record, read_stages
 from flowformer.tasks.runtime import load_network, pick_device
 from flowformer.viz import flow_panel, stack_panels
 
@@ -69,14 +73,42 @@ def summary(epe: dict[str, float], zero: float, max_ratio: float, run_dir: Path,
     )
 
 
+def stopped_before_verdict(signum: signal.Signals, run_dir: Path) -> str:
+    return (
+        f"quickstart stopped by {signum.name} before its verdict: its finished stages and evaluations are kept in "
+        f"{run_dir} ({RECORD}); continue with pipeline.resume={run_dir}"
+    )
+
+
 def run(cfg: DictConfig) -> float:
-    run_dir = Path(cfg.paths.output_dir).resolve()
+    """The demo's pipelines, then its verdict; `pipeline.resume=<run dir>` continues a stopped demo (a stop
+    signal's line names it) in that run directory: finished stages and evaluations are kept."""
     settings = cfg.quickstart
     stages = read_stages(cfg.pipeline)
-    pipeline = Pipeline(cfg, run_dir, stages)
-    records = {"with_mcva": pipeline.run()}
+    run_dir, earlier = pipeline_dir(cfg)
+    pipelines = {"with_mcva": Pipeline(cfg, run_dir, stages, earlier)}
     if settings.compare_from_scratch:
-        records["from_scratch"] = Pipeline(cfg, run_dir / "from_scratch", stages[1:]).run()
+        scratch_dir = run_dir / "from_scratch"
+        scratch_earlier = read_record(scratch_dir) if earlier and (scratch_dir / RECORD).is_file() else None
+        pipelines["from_scratch"] = Pipeline(cfg, scratch_dir, stages[1:], scratch_earlier, resume_dir=run_dir)
+    with StopSignals() as signals:  # a signal between the pipelines stops the next before its first stage
+        records = {}
+        for label, pipeline in pipelines.items():
+            try:
+                records[label] = pipeline.run()
+            except StoppedBySignal as stop:
+                if pipeline.record["status"] != "done":
+                    raise
+                raise StoppedBySignal(stop.signum, stopped_before_verdict(stop.signum, run_dir)) from None
+        if (signum := signals.received) is not None:
+            raise StoppedBySignal(signum, stopped_before_verdict(signum, run_dir))
+        with stopping_at_once(functools.partial(stopped_before_verdict, run_dir=run_dir)):
+            return verdict(settings, pipelines["with_mcva"], records, run_dir)
+
+
+def verdict(settings: DictConfig, pipeline: Pipeline, records: dict[str, dict], run_dir: Path) -> float:
+    """metrics.json, the held-out pairs' picture and the printed summary; returns the EPE of the pretrained
+    then finetuned model, or exits with status 1 when it is above the required fraction of zero flow's."""
     eval_cfg = pipeline.configs[f"eval_{next(iter(pipeline.evaluate))}"]
     zero = zero_flow_epe(eval_cfg)
     write_heldout_panel(eval_cfg, run_dir / PANEL, settings.panel_pairs)

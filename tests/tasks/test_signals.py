@@ -181,6 +181,40 @@ def test_ctrl_c_in_the_demos_finetuning_stops_its_pipeline_saved_and_says_how_to
     )
 
 
+def test_a_stopped_demos_line_continues_it_in_its_own_run_directory(tmp_path):
+    """The demo's command (shortened: 2 and 3 steps), Ctrl-C as its pretraining ends: it stops before its
+    finetuning with a line naming pipeline.resume=<its run dir>. That command continues the demo there: the
+    pretraining is kept, the finetuning starts from its checkpoint, and the verdict (metrics.json, the picture)
+    is written there. Before, the quickstart ignored pipeline.resume: it ran both stages again in a new run
+    directory."""
+    ctrl_c = f"+callbacks.ctrl_c={{_target_:helpers.faults.CtrlCOnce,at:train_end,marker:'{tmp_path / 'pressed'}'}}"
+    checkout = fresh_checkout(tmp_path / "checkout")
+    command = ("experiment=quickstart", "quickstart.pretrain_steps=2", "quickstart.finetune_steps=3",
+               "quickstart.max_epe_ratio=100", ctrl_c)
+    stopped = run_py(*command, cwd=checkout, env=ENV, new_session=True, expect_ok=False)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGINT, output[-4000:]
+    runs = checkout / "logs" / "quickstart" / "quickstart" / "runs"
+    [run_dir] = runs.iterdir()
+    lines = [line for line in output.splitlines() if "stopped by SIGINT" in line]
+    assert len(lines) == 1 and "Traceback" not in output, output[-4000:]
+    assert lines[0].endswith(
+        f"pipeline stopped by SIGINT before stage 2/2 finetune: the finished stages are kept in {run_dir} "
+        f"(pipeline.json); continue with pipeline.resume={run_dir}"
+    )
+    pretrained = record(run_dir)["stages"][0]["checkpoint"]
+
+    finished = run_py(*command, f"pipeline.resume={run_dir}", cwd=checkout, env=ENV)
+    assert "pipeline: stage 1/2 pretrain finished already" in finished.stdout + finished.stderr
+    done = record(run_dir)
+    assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done", "done"]
+    assert done["stages"][0]["checkpoint"] == pretrained and done["stages"][1]["init_from"] == pretrained
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["pass"] is True and metrics["panel"] == str(run_dir / "heldout_pairs.png")
+    assert (run_dir / "heldout_pairs.png").is_file()
+    assert [folder for folder in runs.iterdir() if (folder / "metrics.json").exists()] == [run_dir]
+
+
 @pytest.mark.parametrize("stage", ["chairs", "things"])
 def test_ctrl_c_as_a_tables_stage_ends_stops_the_table_and_its_line_finishes_every_row(tmp_path, stage):
     """A two-row table in one process (`python run.py -m task=pipeline protocol=<its own>
