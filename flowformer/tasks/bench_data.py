@@ -13,7 +13,8 @@ Two measurements of the config's training set, drawn as training draws them (shu
   CUDA: flowformer/data/loader_settings.py; not pinned where torch sees no GPU), its pairs per second over
   `bench.repeats` batches after the first (the workers' start, reported as `startup_s`) and `bench.warmup` more.
 
-Writes <run dir>/bench.json (the machine and the row) and bench.md; returns the loader's pairs per second.
+Writes <run dir>/bench.json (the machine and the row) and bench.md; returns the loader's pairs per second. A stop
+signal (Ctrl-C) ends it at once, with one line, its loader's workers with it, and nothing written.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import itertools
 import json
 import logging
 import math
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from flowformer.data.datamodules import FlowDataModule, PretrainDataModule
 from flowformer.data.sampling import ResumableSampler
 from flowformer.models.output_files import atomic_write_text
+from flowformer.stop_signals import deferred_stop, stopping_at_once
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,9 @@ def one_worker_rate(dataset: Dataset, pairs: int, seed: int) -> dict[str, float]
 def endless(loader: DataLoader) -> Iterator[Any]:
     """The loader's batches, epoch after epoch (a generated tree can be shorter than the measurement)."""
     while True:
-        yield from loader
+        with deferred_stop:  # a stop while its workers start is raised once they have (flowformer/stop_signals.py)
+            batches = iter(loader)
+        yield from batches
 
 
 def loader_rate(loader: DataLoader, warmup: int, repeats: int) -> dict[str, float]:
@@ -129,7 +134,12 @@ def run(cfg: DictConfig, machine: dict[str, Any]) -> float:
     """Measures cfg.data's training loader and writes bench.json and bench.md (module docstring)."""
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    row = measure_loader(cfg)
+
+    def stopped(signum: signal.Signals) -> str:
+        return f"task=bench bench=data stopped by {signum.name} before its row was measured: nothing was written"
+
+    with stopping_at_once(stopped):
+        row = measure_loader(cfg)
     setup = {key: cfg.bench[key] for key in ("mode", "warmup", "repeats")} | {
         "data": OmegaConf.to_container(cfg.data, resolve=True)
     }
