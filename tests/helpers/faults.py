@@ -63,23 +63,32 @@ class SignalAtStep(L.Callback):
     workers end quietly on a SIGTERM from their parent, and die of one from any other process); only for a run
     started in a session of its own. With `launcher`, global rank 0 sends it to its parent, the launcher
     (torchrun), as Ctrl-C in torchrun's terminal reaches torchrun alone (its workers run in sessions of their
-    own), which passes it on to every worker."""
+    own), which passes it on to every worker. With `marker`, global rank 0 sends it once: unless that file
+    exists (sent, it is made), for a command run again or a table's next row."""
 
-    def __init__(self, step: int, signal_name: str, group: bool = False, launcher: bool = False) -> None:
+    def __init__(
+        self, step: int, signal_name: str, group: bool = False, launcher: bool = False, marker: str | None = None
+    ) -> None:
         self.step = step
         self.signal_name = signal_name
         self.group = group
         self.launcher = launcher
+        self.marker = None if marker is None else Path(marker)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            if self.launcher:
-                if trainer.global_rank == 0:
-                    os.kill(os.getppid(), getattr(signal, self.signal_name))
-            elif self.group:
-                signal_group(self.signal_name)
-            else:
-                os.kill(os.getpid(), getattr(signal, self.signal_name))
+        if trainer.global_step != self.step:
+            return
+        if self.marker is not None:
+            if trainer.global_rank != 0 or self.marker.exists():
+                return
+            self.marker.touch()
+        if self.launcher:
+            if trainer.global_rank == 0:
+                os.kill(os.getppid(), getattr(signal, self.signal_name))
+        elif self.group:
+            signal_group(self.signal_name)
+        else:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
 class CtrlCOnce(L.Callback):
