@@ -146,6 +146,7 @@ from flowformer.stop_signals import (
 )
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
+from flowformer.tasks.overrides import override_value, path_value, shell_override
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import JOB_KEYS, RECORD, in_multirun, override_key
@@ -238,27 +239,6 @@ def takes(override: str, probe: DictConfig, pretraining_only: Collection[str] = 
     if "." not in key or override.startswith("+"):
         return True
     return OmegaConf.select(probe, key, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT
-
-
-def path_value(path: str | Path) -> str:
-    """A path or name as an override's value, quoted so that Hydra reads it back unchanged: a multirun job's
-    folder holds `=` and `,` (e.g. `0_model.mask_ratio=0.7,backbone.agt_depth=1`), a name may hold `,` or `'`
-    (Hydra's escapes: `\\'` for a quote, backslashes before a quote or the closing quote doubled)."""
-    text = re.sub(r"(\\*)'", lambda match: match.group(1) * 2 + "\\'", str(path))
-    return "'" + re.sub(r"(\\+)$", lambda match: match.group(1) * 2, text) + "'"
-
-
-def override_value(value: Any) -> str:
-    """A plain value (None, bool, number, string, list, dict) in Hydra's override syntax."""
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return f"[{','.join(map(override_value, value))}]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{key}:{override_value(item)}" for key, item in value.items()) + "}"
-    return path_value(str(value))
 
 
 def config_overrides(key: str, node: DictConfig) -> list[str]:
@@ -610,8 +590,8 @@ class Pipeline:
         """What continues this pipeline: pipeline.resume=<its run dir>; in a table (a multirun, whatever its
         launcher), the table's command with pipeline.resume=<its sweep dir>, where each row finds its own."""
         if in_multirun():
-            return f"the table's command and pipeline.resume={self.resume_dir.parent}"
-        return f"pipeline.resume={self.resume_dir}"
+            return f"the table's command and {shell_override('pipeline.resume', self.resume_dir.parent)}"
+        return shell_override("pipeline.resume", self.resume_dir)
 
     def pass_through(self, output_dir: Path) -> list[str]:
         """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline; with

@@ -43,6 +43,7 @@ from omegaconf import DictConfig
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
 from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children, note_stop, stop_noted
+from flowformer.tasks.overrides import shell_override
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def stopped_training(trainer: L.Trainer) -> StoppedBySignal:
     signum = received_signal(trainer) or signal.SIGTERM
     last = last_checkpoint_path(trainer)
     saved = (
-        f"{last} holds that step; resume with ckpt_path={last}"
+        f"{last} holds that step; resume with {shell_override('ckpt_path', last)}"
         if last is not None
         else "nothing was saved (callbacks.last_checkpoint is off)"
     )

@@ -21,6 +21,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from flowformer.tasks.overrides import shell_override
+
 FAILED_JOBS = "failed_jobs.jsonl"
 # A pipeline's record in its run directory (flowformer/tasks/pipeline.py); in a table, one in each row's folder.
 RECORD = "pipeline.json"
@@ -97,7 +99,7 @@ class TableResumeCheck(Callback):
         if not resume or not (Path(resume) / RECORD).is_file():
             return
         sweep = Path(resume).resolve().parent
-        advice = f"its table's sweep directory, pipeline.resume={sweep}" if (sweep / "multirun.yaml").is_file() else (
+        advice = f"its table's sweep directory, {shell_override('pipeline.resume', sweep)}" if (sweep / "multirun.yaml").is_file() else (
             "the sweep directory of the table's earlier run"
         )
         if global_rank_zero():

@@ -12,6 +12,7 @@ import gc
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -132,6 +133,27 @@ def test_a_signal_to_the_whole_job_saves_last_ckpt_at_that_step_and_fails(tmp_pa
     )
     assert "Traceback" not in result.stderr and "DataLoader worker" not in result.stderr
     assert not list(run_dir.rglob("*.partial"))
+
+
+def test_ctrl_c_to_a_sweep_prints_a_resume_command_that_runs_as_typed(tmp_path):
+    """`python run.py -m debug=tiny model.optimizer.lr=2e-4,1e-4 ...`, Ctrl-C during the first job's step 3: its
+    line's command, typed in a shell as printed (the job's folder holds `=` and `,`), resumes it from that step.
+    Before, the line printed the path unquoted and Hydra refused it ("mismatched input '='")."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    command = ("debug=tiny", "trainer.max_steps=5", "trainer.val_check_interval=5")
+    stopped = run_py(
+        "-m", *command, "model.optimizer.lr=2e-4,1e-4", *signal_at(2, "SIGINT", group=True), cwd=checkout, env=ENV,
+        expect_ok=False, new_session=True, timeout=240,
+    )
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGINT, output[-3000:]
+    [line] = [line for line in output.splitlines() if "training stopped by SIGINT at step 3" in line]
+    typed = line.split("; resume with ")[1]
+    assert "=" in typed.partition("=")[2] and "," in typed  # the job's folder: the case that needs quoting
+    resumed = run_py(*command, "model.optimizer.lr=2e-4", *shlex.split(typed), cwd=checkout, expect_ok=False)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    [run_dir] = (checkout / "logs" / "train" / "default" / "runs").iterdir()
+    assert saved_step(run_dir / "checkpoints" / "last.ckpt") == 5
 
 
 def test_ctrl_c_to_a_ddp_run_stops_both_processes_after_one_step_with_last_ckpt(tmp_path):

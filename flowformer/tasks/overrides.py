@@ -1,0 +1,46 @@
+"""Values written as Hydra overrides: for the commands a pipeline runs (`path_value`, `override_value`: Hydra
+reads the value back unchanged), and for the commands a line tells the user to run (`shell_override`: typed in a
+POSIX shell as printed, Hydra still reads the value back unchanged)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+# Values that Hydra reads and a shell passes as they are: no quoting, so that the usual paths print plainly.
+PLAIN_VALUE = re.compile(r"[\w./:@+-]+")
+
+
+def path_value(path: str | Path) -> str:
+    """A path or name as an override's value, quoted so that Hydra reads it back unchanged: a multirun job's
+    folder holds `=` and `,` (e.g. `0_model.mask_ratio=0.7,backbone.agt_depth=1`), a name may hold `,` or `'`
+    (Hydra's escapes: `\\'` for a quote, backslashes before a quote or the closing quote doubled)."""
+    text = re.sub(r"(\\*)'", lambda match: match.group(1) * 2 + "\\'", str(path))
+    return "'" + re.sub(r"(\\+)$", lambda match: match.group(1) * 2, text) + "'"
+
+
+def override_value(value: Any) -> str:
+    """A plain value (None, bool, number, string, list, dict) in Hydra's override syntax."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return f"[{','.join(map(override_value, value))}]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{override_value(item)}" for key, item in value.items()) + "}"
+    return path_value(str(value))
+
+
+def shell_override(key: str, path: str | Path) -> str:
+    """`key=<path>` as a line tells the user to type it: plain where nothing needs quoting, else Hydra's quotes
+    (`path_value`: a multirun job's folder holds `=` and `,`, which Hydra refuses unquoted) inside the shell's
+    (double quotes where nothing in it is special to them)."""
+    text = str(path)
+    if PLAIN_VALUE.fullmatch(text):
+        return f"{key}={text}"
+    override = f"{key}={path_value(text)}"
+    return f'"{override}"' if not re.search(r'["$`\\!]', override) else shlex.quote(override)
