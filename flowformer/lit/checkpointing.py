@@ -36,6 +36,7 @@ from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.lit.unsup import UnsupervisedPretrainModule
 from flowformer.models.checkpoint import check_compatible, read_checkpoint
 from flowformer.models.output_files import atomic_write
+from flowformer.overrides import shell_override
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def check_module_kind(checkpoint: dict, module: BackboneModule, path: str | Path
     raise ValueError(
         f"ckpt_path={path} was saved by {kind.__name__ if kind else 'another module'}, but this run trains "
         f"{type(module).__name__}: resume it with the model it was trained with, or start from its weights with "
-        f"model.init_from={path}"
+        f"{shell_override('model.init_from', path)}"
     )
 
 
@@ -233,7 +234,8 @@ def check_steps_left(checkpoint: dict, max_steps: int | None, path: str | Path) 
             raise ValueError(
                 f"ckpt_path={path} resumes a schedule of total_steps={total_steps}, which a resumed run "
                 f"keeps, so trainer.max_steps={max_steps} would step past its end; train at most "
-                f"{total_steps} steps, or start a new run from its weights with model.init_from={path}"
+                f"{total_steps} steps, or start a new run from its weights with "
+                f"{shell_override('model.init_from', path)}"
             )
 
 

@@ -136,6 +136,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
+from flowformer.overrides import override_value, path_value, shell_override
 from flowformer.stop_signals import (
     STOP_SIGNALS,
     StoppedBySignal,
@@ -146,7 +147,6 @@ from flowformer.stop_signals import (
 )
 from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
-from flowformer.tasks.overrides import override_value, path_value, shell_override
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.run_dirs import ensure_writable_dir
 from flowformer.tasks.sweeps import JOB_KEYS, RECORD, in_multirun, override_key

@@ -42,8 +42,8 @@ from omegaconf import DictConfig
 
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.output_files import atomic_write_text
+from flowformer.overrides import shell_override
 from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, forked_children, note_stop, stop_noted
-from flowformer.tasks.overrides import shell_override
 
 log = logging.getLogger(__name__)
 

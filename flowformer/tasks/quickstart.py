@@ -25,9 +25,9 @@ from omegaconf import DictConfig
 from flowformer.data.io import write_image
 from flowformer.eval.baselines import baseline_methods
 from flowformer.models.output_files import atomic_write_text
+from flowformer.overrides import shell_override
 from flowformer.stop_signals import StoppedBySignal, StopSignals, stopping_at_once
 from flowformer.tasks.eval import open_sets, score_baselines
-from flowformer.tasks.overrides import shell_override
 from flowformer.tasks.pipeline import RECORD, Pipeline, pipeline_dir, read_record, read_stages
 from flowformer.tasks.runtime import load_network, pick_device
 from flowformer.viz import flow_panel, stack_panels

@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from flowformer.tasks.overrides import shell_override
+from flowformer.overrides import shell_override
 
 FAILED_JOBS = "failed_jobs.jsonl"
 # A pipeline's record in its run directory (flowformer/tasks/pipeline.py); in a table, one in each row's folder.

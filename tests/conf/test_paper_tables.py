@@ -18,7 +18,7 @@ import yaml
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from flowformer.tasks.overrides import path_value
+from flowformer.overrides import path_value
 from flowformer.tasks.pipeline import first_epe, read_stages
 from flowformer.tasks.report import PAPER_COLUMNS, PARAMS_KEY, override_values
 

@@ -6,7 +6,7 @@ import shlex
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from flowformer.tasks.overrides import shell_override
+from flowformer.overrides import shell_override
 
 AWKWARD = [
     "/logs/train/default/multiruns/2026-11-29_23-52-12/0_backbone.agt_depth=1,model.optimizer.lr=0.0002/last.ckpt",
