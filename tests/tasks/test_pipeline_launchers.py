@@ -7,8 +7,10 @@ step for the next; a table's pipeline.resume names its sweep directory; a pipeli
 is requeued and its requeued job step finishes it. Two gloo processes on the CPU stand for two GPUs."""
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,46 +52,63 @@ def test_a_table_under_lightning_ddp_runs_every_row_with_one_set_of_records(tmp_
 
 
 
+def ctrl_c_table(tmp_path: Path, protocol: str, sender: str) -> tuple[Path, tuple[str, ...]]:
+    """A checkout with `protocol` (one 6-step DDP stage that sends SIGINT once during its step 3, as
+    SignalAtStep's `sender`: `group` or `launcher`) and the command of its two-row table."""
+    ctrl_c = [
+        "+callbacks.stop._target_=helpers.faults.SignalAtStep", "+callbacks.stop.step=2",
+        "+callbacks.stop.signal_name=SIGINT", f"+callbacks.stop.{sender}=true",
+        f"+callbacks.stop.marker={tmp_path / 'pressed'}",
+    ]
+    checkout = checkout_with_protocol(
+        tmp_path, protocol, evaluate=False, things=["trainer.max_steps=6", "trainer.val_check_interval=6", *ctrl_c]
+    )
+    command = ("-m", "task=pipeline", f"protocol={protocol}", "trainer=ddp", "trainer.devices=2", *GLOO,
+               "model.optimizer.lr=2e-4,1e-4")
+    return checkout, command
+
+
+def check_stopped_then_finished(checkout: Path, protocol: str, output: str, finish: Callable[..., object]) -> None:
+    """The table of `ctrl_c_table` stopped in its first row's step 3: that row is recorded stopped with its
+    last.ckpt at step 3, the second did not start, one line says to continue with the table's command and
+    pipeline.resume=<sweep dir>; `finish(<that override>)`, the table's command with it, then finishes the first
+    row from that last.ckpt (its stage's folder set aside) and runs the second."""
+    sweep, [first] = sweep_jobs(checkout, protocol)
+    assert record(first)["status"] == "stopped", output[-6000:]
+    last = first / "things" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    line = (
+        "pipeline stage 1/1 things was stopped by SIGINT (its last.ckpt is kept); continue with the table's command "
+        f"and pipeline.resume={sweep}"
+    )
+    assert output.count(line) == 1, output[-6000:]
+
+    finished = finish(f"pipeline.resume={sweep}")
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 0, output[-6000:]
+    [second] = sweep.glob("1_*")  # its folder, made by this run
+    for row in (first, second):
+        assert record(row)["status"] == "done", output[-6000:]
+    interrupted = first / "things.interrupted" / "checkpoints" / "last.ckpt"
+    assert record(first)["stages"][0]["resumed_from"] == [str(interrupted)]
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 3
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+
+
 def test_ctrl_c_to_a_table_under_lightnings_launcher_stops_it_and_its_line_finishes_the_table(tmp_path):
     """`python run.py -m task=pipeline ... trainer=ddp trainer.devices=2` of two rows, Ctrl-C (SIGINT to the
     whole process group, as a terminal sends it: the table's process and both of the stage's) during step 3 of
     the first row's stage: both stop after that step with its last.ckpt, the row is recorded stopped, the second
     row does not start (status 130, one line from the table, no traceback), and that line's command (the table's
     with pipeline.resume=<sweep dir>) finishes the first row from that last.ckpt and runs the second."""
-    ctrl_c = [
-        "+callbacks.stop._target_=helpers.faults.SignalAtStep", "+callbacks.stop.step=2",
-        "+callbacks.stop.signal_name=SIGINT", "+callbacks.stop.group=true",
-        f"+callbacks.stop.marker={tmp_path / 'pressed'}",
-    ]
-    checkout = checkout_with_protocol(
-        tmp_path, "ddp_table_ctrl_c", evaluate=False,
-        things=["trainer.max_steps=6", "trainer.val_check_interval=6", *ctrl_c],
-    )
-    command = ("-m", "task=pipeline", "protocol=ddp_table_ctrl_c", "trainer=ddp", "trainer.devices=2", *GLOO,
-               "model.optimizer.lr=2e-4,1e-4")
+    checkout, command = ctrl_c_table(tmp_path, "ddp_table_ctrl_c", "group")
     stopped = run_py(*command, cwd=checkout, env=ENV, new_session=True, timeout=900, expect_ok=False)
     output = stopped.stdout + stopped.stderr
-    assert stopped.returncode == 128 + 2, output[-6000:]  # SIGINT
-    sweep, jobs = sweep_jobs(checkout, "ddp_table_ctrl_c")
-    assert len(jobs) == 1 and record(jobs[0])["status"] == "stopped", output[-6000:]
-    assert torch.load(jobs[0] / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
-    lines = [line for line in output.splitlines() if "stopped by SIGINT" in line and "pipeline stage" in line]
-    assert lines == [lines[0]] and lines[0].endswith(
-        "pipeline stage 1/1 things was stopped by SIGINT (its last.ckpt is kept); continue with the table's command "
-        f"and pipeline.resume={sweep}"
-    ), output[-6000:]
-    assert "Traceback" not in output, output[-6000:]
-
-    again = run_py(*command, f"pipeline.resume={sweep}", cwd=checkout, env=ENV, timeout=900, expect_ok=False)
-    output = again.stdout + again.stderr
-    assert again.returncode == 0, output[-6000:]
-    first, [second] = jobs[0], list(sweep.glob("1_*"))  # its folder, made by this run
-    for row in (first, second):
-        assert record(row)["status"] == "done", output[-6000:]
-    interrupted = first / "things.interrupted" / "checkpoints" / "last.ckpt"  # the stopped stage's folder, set aside
-    assert record(first)["stages"][0]["resumed_from"] == [str(interrupted)]
-    assert torch.load(interrupted, weights_only=True)["global_step"] == 3
-    assert torch.load(first / "things" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert stopped.returncode == 128 + signal.SIGINT and "Traceback" not in output, output[-6000:]
+    check_stopped_then_finished(
+        checkout, "ddp_table_ctrl_c", output,
+        lambda resume: run_py(*command, resume, cwd=checkout, env=ENV, timeout=900, expect_ok=False),
+    )
 
 
 def test_a_stage_failing_on_one_process_under_lightnings_launcher_fails_its_row_with_that_error(tmp_path):
@@ -333,41 +352,14 @@ def test_ctrl_c_to_a_table_under_torchrun_stops_every_process_and_its_line_finis
     processes stop after that step with its last.ckpt, the row is recorded stopped, the second row does not
     start on either, and rank 0's line (the table's command with pipeline.resume=<sweep dir>) finishes the first
     row from that last.ckpt and runs the second."""
-    ctrl_c = [
-        "+callbacks.stop._target_=helpers.faults.SignalAtStep", "+callbacks.stop.step=2",
-        "+callbacks.stop.signal_name=SIGINT", "+callbacks.stop.launcher=true",
-        f"+callbacks.stop.marker={tmp_path / 'pressed'}",
-    ]
-    checkout = checkout_with_protocol(
-        tmp_path, "torchrun_table_ctrl_c", evaluate=False,
-        things=["trainer.max_steps=6", "trainer.val_check_interval=6", *ctrl_c],
-    )
-    command = ("-m", "task=pipeline", "protocol=torchrun_table_ctrl_c", "trainer=ddp", "trainer.devices=2", *GLOO,
-               "model.optimizer.lr=2e-4,1e-4")
+    checkout, command = ctrl_c_table(tmp_path, "torchrun_table_ctrl_c", "launcher")
     stopped = torchrun(checkout, *command, new_session=True)
     output = stopped.stdout + stopped.stderr
-    sweep, jobs = sweep_jobs(checkout, "torchrun_table_ctrl_c")
-    assert len(jobs) == 1 and record(jobs[0])["status"] == "stopped", output[-6000:]
-    last = jobs[0] / "things" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=True)["global_step"] == 3
-    line = (
-        "pipeline stage 1/1 things was stopped by SIGINT (its last.ckpt is kept); continue with the table's command "
-        f"and pipeline.resume={sweep}"
-    )
-    assert output.count(line) == 1, output[-6000:]
-    assert output.count("pipeline: rank 1 stopped by SIGINT with the stage's other processes") == 1
+    assert output.count("pipeline: rank 1 stopped by SIGINT with the stage's other processes") == 1, output[-6000:]
     assert output.count("Traceback") == output.count("SignalException: Process") == 1  # torchrun's own, at its end
-
-    again = torchrun(checkout, *command, f"pipeline.resume={sweep}")
-    output = again.stdout + again.stderr
-    assert again.returncode == 0, output[-6000:]
-    first, [second] = jobs[0], list(sweep.glob("1_*"))  # its folder, made by this run
-    for row in (first, second):
-        assert record(row)["status"] == "done", output[-6000:]
-    assert torch.load(last, weights_only=True)["global_step"] == 6
-    interrupted = first / "things.interrupted" / "checkpoints" / "last.ckpt"  # the stopped stage's folder, set aside
-    assert record(first)["stages"][0]["resumed_from"] == [str(interrupted)]
-    assert torch.load(interrupted, weights_only=True)["global_step"] == 3
+    check_stopped_then_finished(
+        checkout, "torchrun_table_ctrl_c", output, lambda resume: torchrun(checkout, *command, resume)
+    )
 
 
 def test_a_row_refused_before_its_stages_under_torchrun_keeps_the_processes_in_step(tmp_path):
