@@ -99,8 +99,10 @@ class TableResumeCheck(Callback):
         if not resume or not (Path(resume) / RECORD).is_file():
             return
         sweep = Path(resume).resolve().parent
-        advice = f"its table's sweep directory, {shell_override('pipeline.resume', sweep)}" if (sweep / "multirun.yaml").is_file() else (
-            "the sweep directory of the table's earlier run"
+        advice = (
+            f"its table's sweep directory, {shell_override('pipeline.resume', sweep)}"
+            if (sweep / "multirun.yaml").is_file()
+            else "the sweep directory of the table's earlier run"
         )
         if global_rank_zero():
             print(
