@@ -1,17 +1,25 @@
-"""Values written as Hydra overrides: for the commands a pipeline runs (`path_value`, `override_value`: Hydra
-reads the value back unchanged), and for the commands a line tells the user to run (`shell_override`: typed in a
-POSIX shell as printed, Hydra still reads the value back unchanged)."""
+"""Hydra overrides: their keys (`override_key`), values written for the commands a pipeline runs (`path_value`,
+`override_value`: Hydra reads the value back unchanged), and the commands a line tells the user to run
+(`shell_override`, `command_again`: typed in a POSIX shell as printed, Hydra reads the same values)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+
 # Values that Hydra reads and a shell passes as they are: no quoting, so that the usual paths print plainly.
 PLAIN_VALUE = re.compile(r"[\w./:@+-]+")
+
+
+def override_key(override: str) -> str:
+    """`model.mask_ratio` of `model.mask_ratio=0.7` (also of `+key=...`, `++key=...`, `~key`)."""
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def path_value(path: str | Path) -> str:
@@ -44,3 +52,18 @@ def shell_override(key: str, path: str | Path) -> str:
         return f"{key}={text}"
     override = f"{key}={path_value(text)}"
     return f'"{override}"' if not re.search(r'["$`\\!]', override) else shlex.quote(override)
+
+
+def command_again(*overrides: str) -> str:
+    """This run's command as typed in a shell (its interpreter, relative to the working directory where it is
+    inside it, as `make demo`'s .venv/bin/python; its script; its command-line overrides but its own
+    `pipeline.resume` and `hydra.run.dir`, which a run again does not take), with `overrides` (shell-typed)
+    after; only `overrides` where no command composed this run (a pipeline run in a Python session)."""
+    if not HydraConfig.initialized():
+        return " ".join(overrides)
+    python = Path(sys.executable)
+    if python.is_relative_to(Path.cwd()):
+        python = python.relative_to(Path.cwd())
+    given = HydraConfig.get().overrides.task
+    kept = [override for override in given if override_key(override) not in ("pipeline.resume", "hydra.run.dir")]
+    return " ".join([shlex.join([str(python), sys.argv[0], *kept]), *overrides])

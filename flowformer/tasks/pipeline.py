@@ -136,7 +136,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
-from flowformer.overrides import override_value, path_value, shell_override
+from flowformer.overrides import command_again, override_key, override_value, path_value, shell_override
 from flowformer.stop_signals import (
     STOP_SIGNALS,
     StoppedBySignal,
@@ -149,7 +149,7 @@ from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.sweeps import JOB_KEYS, RECORD, in_multirun, override_key
+from flowformer.tasks.sweeps import JOB_KEYS, RECORD, in_multirun
 from flowformer.tasks.train import fit
 
 log = logging.getLogger(__name__)
@@ -587,11 +587,13 @@ class Pipeline:
         atomic_write_text(self.run_dir / RECORD, json.dumps(self.record, indent=2))
 
     def continuation(self) -> str:
-        """What continues this pipeline: pipeline.resume=<its run dir>; in a table (a multirun, whatever its
-        launcher), the table's command with pipeline.resume=<its sweep dir>, where each row finds its own."""
+        """What continues this pipeline: this run's command with pipeline.resume=<its run dir> (under a launcher,
+        the launcher's command with it); in a table (a multirun, whatever its launcher), the table's command with
+        pipeline.resume=<its sweep dir>, where each row finds its own."""
         if in_multirun():
             return f"the table's command and {shell_override('pipeline.resume', self.resume_dir.parent)}"
-        return shell_override("pipeline.resume", self.resume_dir)
+        resume = shell_override("pipeline.resume", self.resume_dir)
+        return resume if self.launched else command_again(resume)
 
     def pass_through(self, output_dir: Path) -> list[str]:
         """This job's seed, name, paths and logger choice (none: `~logger`), for every run of the pipeline; with

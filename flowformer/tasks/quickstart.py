@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from flowformer.data.io import write_image
 from flowformer.eval.baselines import baseline_methods
 from flowformer.models.output_files import atomic_write_text
-from flowformer.overrides import shell_override
+from flowformer.overrides import command_again, shell_override
 from flowformer.stop_signals import StoppedBySignal, StopSignals, stopping_at_once
 from flowformer.tasks.eval import open_sets, score_baselines
 from flowformer.tasks.pipeline import RECORD, Pipeline, pipeline_dir, read_record, read_stages
@@ -77,7 +77,8 @@ def summary(epe: dict[str, float], zero: float, max_ratio: float, run_dir: Path,
 def stopped_before_verdict(signum: signal.Signals, run_dir: Path) -> str:
     return (
         f"quickstart stopped by {signum.name} before its verdict: its finished stages and evaluations are kept in "
-        f"{run_dir} ({RECORD}); continue with {shell_override('pipeline.resume', run_dir)}"
+        f"{run_dir} ({RECORD}); continue with "
+        f"{command_again(shell_override('pipeline.resume', run_dir))}"
     )
 
 

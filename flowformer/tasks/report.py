@@ -67,8 +67,9 @@ from rich.console import Console
 from rich.progress import track
 
 from flowformer.models.output_files import atomic_write, atomic_write_text
+from flowformer.overrides import override_key
 from flowformer.tasks.run_dirs import ensure_writable_dir
-from flowformer.tasks.sweeps import FAILED_JOBS, JOB_KEYS, override_key
+from flowformer.tasks.sweeps import FAILED_JOBS, JOB_KEYS
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,6 @@ RECORD = "pipeline.json"
 JOB_KEYS = ("task", "name", "seed", "logger", "experiment", "protocol", "sweep", "pipeline", "hydra", "quickstart")
 
 
-def override_key(override: str) -> str:
-    """`model.mask_ratio` of `model.mask_ratio=0.7` (also of `+key=...`, `++key=...`, `~key`)."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def in_multirun() -> bool:
     """True inside a job of `python run.py -m ...`."""
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

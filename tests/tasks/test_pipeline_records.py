@@ -5,8 +5,10 @@ comma runs. Each pipeline is one tiny stage of protocol=smoke and one evaluation
 checkout."""
 
 import json
+import shlex
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -160,7 +162,8 @@ def test_sigusr1_during_an_evaluation_stops_the_pipeline_as_in_training(checkout
     assert len(lines) == 1 and "Traceback" not in stderr
     assert lines[0].endswith(
         f"pipeline evaluation long stopped by SIGUSR1: the finished stages are kept in {run_dir} "
-        f"({pipeline.RECORD}); continue with pipeline.resume={run_dir}, which runs evaluation long again"
+        f"({pipeline.RECORD}); continue with {shlex.join([sys.executable, 'run.py', *ONE_STAGE, long])} "
+        f"pipeline.resume={run_dir}, which runs evaluation long again"
     )
 
 

@@ -197,18 +197,18 @@ def test_ctrl_c_in_the_demos_finetuning_stops_its_pipeline_saved_and_says_how_to
     assert 0 < saved_step(run_dir / "finetune" / "checkpoints" / "last.ckpt") < 1200
     lines = [line for line in (stdout + stderr).splitlines() if "stopped by SIGINT" in line]
     assert len(lines) == 1 and "Traceback" not in stderr, stdout[-3000:] + stderr[-3000:]
-    assert lines[0].endswith(
+    assert lines[0].endswith(  # `make demo` runs `.venv/bin/python run.py experiment=quickstart`: the command to type
         "pipeline stage 2/2 finetune was stopped by SIGINT (its last.ckpt is kept); continue with "
-        f"pipeline.resume={run_dir}"
+        f"{sys.executable} run.py experiment=quickstart pipeline.resume={run_dir}"
     )
 
 
 def test_a_stopped_demos_line_continues_it_in_its_own_run_directory(tmp_path):
     """The demo's command (shortened: 2 and 3 steps), Ctrl-C as its pretraining ends: it stops before its
-    finetuning with a line naming pipeline.resume=<its run dir>. That command continues the demo there: the
-    pretraining is kept, the finetuning starts from its checkpoint, and the verdict (metrics.json, the picture)
-    is written there. Before, the quickstart ignored pipeline.resume: it ran both stages again in a new run
-    directory."""
+    finetuning with a line giving the command to continue it: its own with pipeline.resume=<its run dir>. That
+    command, run as typed in a shell, continues the demo there: the pretraining is kept, the finetuning starts
+    from its checkpoint, and the verdict (metrics.json, the picture) is written there. Before, the quickstart
+    ignored pipeline.resume: it ran both stages again in a new run directory."""
     ctrl_c = f"+callbacks.ctrl_c={{_target_:helpers.faults.CtrlCOnce,at:train_end,marker:'{tmp_path / 'pressed'}'}}"
     checkout = fresh_checkout(tmp_path / "checkout")
     command = ("experiment=quickstart", "quickstart.pretrain_steps=2", "quickstart.finetune_steps=3",
@@ -220,13 +220,17 @@ def test_a_stopped_demos_line_continues_it_in_its_own_run_directory(tmp_path):
     [run_dir] = runs.iterdir()
     lines = [line for line in output.splitlines() if "stopped by SIGINT" in line]
     assert len(lines) == 1 and "Traceback" not in output, output[-4000:]
-    assert lines[0].endswith(
-        f"pipeline stopped by SIGINT before stage 2/2 finetune: the finished stages are kept in {run_dir} "
-        f"(pipeline.json); continue with pipeline.resume={run_dir}"
-    )
+    ending = f"the finished stages are kept in {run_dir} (pipeline.json); continue with "
+    assert f"pipeline stopped by SIGINT before stage 2/2 finetune: {ending}" in lines[0]
+    typed = lines[0].split(ending)[1]
+    assert typed == f"{shlex.join([sys.executable, 'run.py', *command])} pipeline.resume={run_dir}"
     pretrained = record(run_dir)["stages"][0]["checkpoint"]
 
-    finished = run_py(*command, f"pipeline.resume={run_dir}", cwd=checkout, env=ENV)
+    finished = subprocess.run(  # the line's command, as a shell runs it
+        shlex.split(typed), cwd=checkout, env={**os.environ, "WANDB_MODE": "offline", **ENV}, capture_output=True,
+        text=True, timeout=600, check=False,
+    )
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     assert "pipeline: stage 1/2 pretrain finished already" in finished.stdout + finished.stderr
     done = record(run_dir)
     assert done["status"] == "done" and [stage["status"] for stage in done["stages"]] == ["done", "done"]
@@ -291,7 +295,8 @@ def test_ctrl_c_while_a_pipelines_stage_starts_stops_it_after_its_first_step(tmp
     lines = [line for line in output.splitlines() if "stopped by SIGINT" in line]
     assert len(lines) == 1 and "Traceback" not in output, output[-4000:]
     assert lines[0].endswith(
-        f"pipeline stage 1/1 chairs was stopped by SIGINT (its last.ckpt is kept); continue with pipeline.resume={run_dir}"
+        "pipeline stage 1/1 chairs was stopped by SIGINT (its last.ckpt is kept); continue with "
+        f"{sys.executable} run.py task=pipeline protocol=started pipeline.resume={run_dir}"
     )
 
 
