@@ -37,7 +37,8 @@ class StopSignals:
     its own are still in place (a SLURM requeue's SIGTERM stays ignored to the process's end). Handlers that
     take its place for a part of the work (training's, an evaluation's, a child process's) tell it of the
     signals they get (:func:`note_stop`), so that the work around stops once that part is over, also where the
-    part finished anyway (the signal came after its last step)."""
+    part finished anyway (the signal came after its last step). A block inside another passes what it received
+    on to the blocks around it when it ends."""
 
     entered: ClassVar[list[StopSignals]] = []
 
@@ -56,6 +57,8 @@ class StopSignals:
         for signum, handler in self._previous.items():
             if signal.getsignal(signum) == self._note:  # not one set meanwhile (requeue_if_warned's SIG_IGN)
                 signal.signal(signum, handler)
+        if self.received is not None:
+            note_stop(self.received)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)

@@ -1,6 +1,8 @@
-"""flowformer/stop_signals.py: a StopSignals block notes the signals that handlers in its place got, and puts
-back the handlers before it only where its own are still in place."""
+"""flowformer/stop_signals.py: a StopSignals block notes the signals that handlers in its place got, passes on
+to the blocks around it what it took, and puts back the handlers before it only where its own are still in
+place."""
 
+import os
 import signal
 
 from flowformer.stop_signals import StopSignals, note_stop, stop_noted
@@ -30,3 +32,13 @@ def test_a_handler_set_inside_the_block_stays_after_it():
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_a_block_inside_another_passes_on_the_signal_it_took_when_it_ends():
+    """A signal goes to the innermost block's handler alone (a pipeline's inside experiment=quickstart's); the
+    block around learns of it when the inner one ends, and stops the work after it (the demo's verdict)."""
+    with StopSignals() as outer:
+        with StopSignals() as inner:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert inner.received == signal.SIGUSR1 and outer.received is None
+        assert outer.received == signal.SIGUSR1

@@ -653,7 +653,8 @@ class Pipeline:
         launcher the other processes are told the stages are over however they end (refused by the plan too).
         A stop signal between them, or after a stage's last step (which finishes it), stops the pipeline before
         the next one (`stop_if_signalled`); one while a stage starts stops it after its first step; one after
-        the last of them stops the process once the record says done (a table's next row does not start)."""
+        the last of them stops the process once the record says done (a table's next row does not start), or,
+        where the pipeline is a part of other work (experiment=quickstart), leaves that work to stop."""
         checkpoint: Path | None = None
         with self.signals:
             try:
@@ -668,7 +669,7 @@ class Pipeline:
             first_epes = [self.run_evaluation(label, checkpoint, backbone) for label in self.evaluate]
         self.record.update(status="done", metric=first_epes[0] if first_epes else None)
         self.save()
-        if (signum := self.signals.received) is not None:
+        if (signum := self.signals.received) is not None and not StopSignals.entered:
             table = f"; continue the table with {self.continuation()}" if in_multirun() else ""
             raise StoppedBySignal(
                 signum, f"pipeline stopped by {signum.name} as it finished: its record is {self.run_dir / RECORD}{table}"

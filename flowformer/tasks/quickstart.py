@@ -93,15 +93,10 @@ def run(cfg: DictConfig) -> float:
         scratch_dir = run_dir / "from_scratch"
         scratch_earlier = read_record(scratch_dir) if earlier and (scratch_dir / RECORD).is_file() else None
         pipelines["from_scratch"] = Pipeline(cfg, scratch_dir, stages[1:], scratch_earlier, resume_dir=run_dir)
-    with StopSignals() as signals:  # a signal between the pipelines stops the next before its first stage
-        records = {}
-        for label, pipeline in pipelines.items():
-            try:
-                records[label] = pipeline.run()
-            except StoppedBySignal as stop:
-                if pipeline.record["status"] != "done":
-                    raise
-                raise StoppedBySignal(stop.signum, stopped_before_verdict(stop.signum, run_dir)) from None
+    # a signal after a pipeline's last stage or evaluation, or between the pipelines, stops the next pipeline
+    # before its first stage, or the demo before its verdict
+    with StopSignals() as signals:
+        records = {label: pipeline.run() for label, pipeline in pipelines.items()}
         if (signum := signals.received) is not None:
             raise StoppedBySignal(signum, stopped_before_verdict(signum, run_dir))
         with stopping_at_once(functools.partial(stopped_before_verdict, run_dir=run_dir)):
