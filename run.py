@@ -1,4 +1,5 @@
-"""The single entry point: `python run.py task=<train|pretrain|eval|infer|bench> [experiment=...] [key=value]`.
+"""The single entry point: `python run.py [task=<task>] [experiment=...] [key=value]`; `python run.py --help` lists
+the tasks (flowformer/tasks/) and the config groups (conf/hydra/default.yaml writes the help).
 
 Examples: `python run.py experiment=quickstart`, `python run.py -m sweep=mask_ratio experiment=mcva_pretrain`.
 Returns the monitored metric, so Hydra sweepers (grid, Optuna) can optimise it.

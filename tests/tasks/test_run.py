@@ -11,12 +11,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from omegaconf import OmegaConf
 
-from flowformer.tasks import run_task
+from flowformer.tasks import TASKS, run_task
 from flowformer.tasks.run_setup import build_callbacks, warn_random_twins
 
 from helpers.compose import compose_run_config
 from helpers.configs import build_backbone
-from helpers.run import run_py
+from helpers.run import fresh_checkout, run_py
 
 
 def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
@@ -114,6 +114,21 @@ def test_missing_dataset_root_is_one_clear_message(tmp_path):
 def test_unknown_task_is_refused(task, tmp_path):
     result = run_py(f"task={task}", f"hydra.run.dir={tmp_path}", expect_ok=False)
     assert result.returncode != 0 and "task='nonsense' is unknown" in result.stderr
+
+
+def test_help_lists_every_task_and_config_group_and_writes_nothing(tmp_path):
+    """`python run.py --help`, from a fresh directory: each task of the dispatch with what it does, the config
+    groups with their options, and how to see the whole config; no run directory is claimed."""
+    checkout = fresh_checkout(tmp_path)
+    before = set(checkout.iterdir())
+    result = run_py("--help", cwd=checkout)
+    lines = result.stdout.splitlines()
+    for task in TASKS:
+        assert any(line.split()[:1] == [task] and len(line.split()) > 2 for line in lines), task
+    groups = {line.split(":")[0]: line.split(": ")[1].split(", ") for line in lines if ": " in line}
+    assert "quickstart" in groups["experiment"] and "smoke" in groups["protocol"] and "tiny" in groups["backbone"]
+    assert "--cfg job" in result.stdout and "powered by Hydra" not in result.stdout
+    assert set(checkout.iterdir()) == before
 
 
 @pytest.mark.parametrize("bar", [True, False])
