@@ -265,8 +265,20 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
                     kwargs["resume"] = "allow"
                     log.info("resuming wandb run %s (from %s)", kwargs["id"], id_file)
         log.info("logger %s: %s", key, logger_cfg._target_)
-        loggers.append(hydra.utils.instantiate(logger_cfg, **kwargs))
+        logger = hydra.utils.instantiate(logger_cfg, **kwargs)
+        if isinstance(logger, WandbLogger):
+            leave_anonymous_unset(logger)
+        loggers.append(logger)
     return loggers
+
+
+def leave_anonymous_unset(logger: WandbLogger) -> None:
+    """Lightning 2.6 gives wandb.init `anonymous=None` where no one set it, and wandb 0.31, which no longer has
+    the setting, then prints "The anonymous setting has no effect ..." at every run: the setting is left out
+    unless it was given (tests/tasks/test_run.py runs wandb without the line)."""
+    init = getattr(logger, "_wandb_init", {})
+    if "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
 
 
 def read_wandb_id(id_file: Path) -> str:

@@ -47,7 +47,7 @@ def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
 
     # ... and resuming from that checkpoint continues the step count and the same wandb run; the stage's
     # initialisation is not read again (the checkpoint holds the weights), so a moved init file does not matter
-    run_py(
+    resumed_run = run_py(
         "debug=tiny",
         "logger=wandb",
         f"hydra.run.dir={second}",
@@ -55,7 +55,10 @@ def test_train_records_checkpoints_chaining_and_wandb_resume(tmp_path):
         f"model.init_from={tmp_path / 'moved_away.ckpt'}",
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
+        env={"WANDB_SILENT": "false"},  # wandb's own lines printed, as a user sees them
     )
+    assert "wandb: Tracking run with wandb" in resumed_run.stderr
+    assert "anonymous setting" not in resumed_run.stderr  # Lightning's unset anonymous=None is not passed on
     assert "model.init_from is not loaded" in (second / "run.log").read_text()
     resumed = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] == 4
