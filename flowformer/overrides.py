@@ -54,16 +54,23 @@ def shell_override(key: str, path: str | Path) -> str:
     return f'"{override}"' if not re.search(r'["$`\\!]', override) else shlex.quote(override)
 
 
+# What a run again does not take from this run's command: its own resume and run directory, and the mode Hydra
+# adds to every run's overrides (hydra.mode=RUN).
+NOT_AGAIN = ("pipeline.resume", "hydra.run.dir", "hydra.mode")
+
+
 def command_again(*overrides: str) -> str:
     """This run's command as typed in a shell (its interpreter, relative to the working directory where it is
-    inside it, as `make demo`'s .venv/bin/python; its script; its command-line overrides but its own
-    `pipeline.resume` and `hydra.run.dir`, which a run again does not take), with `overrides` (shell-typed)
-    after; only `overrides` where no command composed this run (a pipeline run in a Python session)."""
+    inside it, as `make demo`'s .venv/bin/python; its script; a `--config-name` other than run.py's `config`; its
+    command-line overrides, Hydra's `hydra.*` too, but NOT_AGAIN), with `overrides` (shell-typed) after; only
+    `overrides` where no command composed this run (a pipeline run in a Python session)."""
     if not HydraConfig.initialized():
         return " ".join(overrides)
     python = Path(sys.executable)
     if python.is_relative_to(Path.cwd()):
         python = python.relative_to(Path.cwd())
-    given = HydraConfig.get().overrides.task
-    kept = [override for override in given if override_key(override) not in ("pipeline.resume", "hydra.run.dir")]
-    return " ".join([shlex.join([str(python), sys.argv[0], *kept]), *overrides])
+    hydra = HydraConfig.get()
+    config = [] if hydra.job.config_name == "config" else [f"--config-name={hydra.job.config_name}"]
+    given = [*hydra.overrides.hydra, *hydra.overrides.task]
+    kept = [override for override in given if override_key(override) not in NOT_AGAIN]
+    return " ".join([shlex.join([str(python), sys.argv[0], *config, *kept]), *overrides])

@@ -1,12 +1,19 @@
 """The overrides a stop line tells the user to type (`shell_override`) reach Hydra unchanged through a POSIX shell,
-for paths that need quoting in either: a multirun job's folder (`=` and `,`), spaces, quotes, `$`, backslashes."""
+for paths that need quoting in either: a multirun job's folder (`=` and `,`), spaces, quotes, `$`, backslashes;
+the command it prints (`command_again`) is the run's own."""
 
 import shlex
+import sys
+from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from flowformer.overrides import shell_override
+from flowformer.overrides import command_again, shell_override
+
+from helpers.configs import CONF_DIR
 
 AWKWARD = [
     "/logs/train/default/multiruns/2026-11-29_23-52-12/0_backbone.agt_depth=1,model.optimizer.lr=0.0002/last.ckpt",
@@ -28,3 +35,21 @@ def test_an_awkward_path_typed_as_printed_reaches_hydra_unchanged(path):
 def test_a_plain_path_prints_unquoted():
     path = "/logs/train/default/runs/2026-11-29_23-52-12/checkpoints/last.ckpt"
     assert shell_override("ckpt_path", path) == f"ckpt_path={path}"
+
+
+def test_the_command_again_keeps_the_config_name_and_hydras_overrides_but_not_the_runs_own(tmp_path, monkeypatch):
+    """command_again of a run started as `python run.py --config-name=mine hydra.searchpath=[...] hydra.verbose=true
+    debug=tiny pipeline.resume=<dir>` (a root config of the user's own, found on a search path): the same
+    interpreter, script, config name and overrides, Hydra's among them, without this run's resume or mode."""
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
+    searchpath = f"hydra.searchpath=[file://{CONF_DIR}]"
+    given = [searchpath, "hydra.verbose=true", "debug=tiny", "pipeline.resume=/logs/run"]
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose("mine", overrides=given, return_hydra_config=True)
+    monkeypatch.setattr(sys, "argv", ["run.py", "--config-name=mine", *given])
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", cfg)
+    again = shlex.split(command_again(shell_override("pipeline.resume", "/logs/run 2")))
+    assert again[1:] == [
+        "run.py", "--config-name=mine", searchpath, "hydra.verbose=true", "debug=tiny", "pipeline.resume='/logs/run 2'"
+    ]
+    assert Path(again[0]).resolve() == Path(sys.executable).resolve()
