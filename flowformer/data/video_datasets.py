@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
@@ -34,6 +35,22 @@ log = logging.getLogger(__name__)
 PathLike = str | os.PathLike
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg")
+NUMBER = re.compile(r"(\d+)")
+
+
+def frame_order(path: Path) -> tuple[list[str | int], str]:
+    """The key that puts a folder's frames in time order: names compared with their numbers as numbers, so that
+    `2.png` comes before `10.png` (frames written as `%d.png`, which a plain sort would pair 1 -> 10 -> 100);
+    zero-padded names (`00009.jpg`, `frame_0001.png`) keep their order."""
+    parts = NUMBER.split(path.name)  # text, number, text, ...: every key has text at even and numbers at odd places
+    return [int(part) if index % 2 else part for index, part in enumerate(parts)], path.name
+
+
+def image_frames(folder: Path) -> list[Path]:
+    """The image files of `folder` (IMAGE_SUFFIXES), in time order (`frame_order`)."""
+    return sorted(
+        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES), key=frame_order
+    )
 
 
 def pair_indices(
@@ -161,10 +178,6 @@ class _PairDataset(Dataset):
         )
 
 
-def _image_frames(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-
-
 class YouTubeVOS(_PairDataset):
     """YouTube-VOS, *all-frames* releases (the official MCVA pretraining data, FlowFormer++ ``YoutubeVOS``).
 
@@ -204,7 +217,7 @@ class YouTubeVOS(_PairDataset):
                     "`data.train.splits=[train_all_frames]`)"
                 )
             for video_dir in sorted(p for p in split_root.iterdir() if p.is_dir()):
-                frames = _image_frames(video_dir)
+                frames = image_frames(video_dir)
                 video = f"{split}/{video_dir.name}"
                 indices = pair_indices(
                     len(frames), frame_gap=frame_gap, stride=stride, both_directions=True, end=len(frames) - 1
@@ -248,7 +261,7 @@ class VideoFolder(_PairDataset):
         unusable: list[str] = []  # video files OpenCV cannot open, or with too few frames for a pair
         for folder in folders:
             video = folder.relative_to(self.root).as_posix() or "."
-            frames = _image_frames(folder)
+            frames = image_frames(folder)
             for a, b in pair_indices(
                 len(frames), frame_gap=frame_gap, stride=stride, both_directions=both_directions
             ):

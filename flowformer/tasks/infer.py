@@ -38,6 +38,7 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
+from flowformer.data.video_datasets import VIDEO_SUFFIXES, frame_order
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.stop_signals import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
@@ -53,7 +54,6 @@ from flowformer.viz import flow_to_color
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".tif", ".tiff", ".webp")
-VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg")
 VIDEO_NAME = "flow.mp4"  # the colour-coded flow of every pair, in infer.output_dir
 CLAIM_FILE = ".infer_claim"  # in infer.output_dir while a run writes there (claim_output_dir)
 
@@ -76,7 +76,7 @@ def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray
             raise ValueError(
                 f"infer.input={source!r} is neither a folder of frames nor a video ({', '.join(VIDEO_SUFFIXES)})"
             )
-        paths = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        paths = sorted((p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES), key=frame_order)
         if len(paths) < 2:
             raise ValueError(
                 f"infer.input folder {path} holds {len(paths)} image(s) with suffix {', '.join(IMAGE_SUFFIXES)}; "

@@ -47,6 +47,19 @@ def test_youtube_vos_tree(tmp_path: Path) -> None:
     assert "data=synthetic_video" in str(err.value) and "JPEGImages/<video>/00000.jpg" in str(err.value)
 
 
+def test_a_frame_folder_numbered_without_zeros_pairs_its_frames_in_time_order(tmp_path: Path) -> None:
+    """Frames `1.png` ... `12.png` (ffmpeg's `%d.png`): each pair is two neighbours in time, 9 -> 10 among them;
+    a plain sort by name would pair 1 -> 10, 10 -> 11, 11 -> 12, 12 -> 2."""
+    root = tmp_path / "videos"
+    root.mkdir()
+    for number in range(1, 13):
+        assert cv2.imwrite(str(root / f"{number}.png"), video_frame(10 * number)[..., ::-1])
+    dataset = VideoFolder(root=root, frame_gap=1, both_directions=False)
+    pairs = [(item["meta"]["frame1"], item["meta"]["frame2"]) for item in (dataset[i] for i in range(len(dataset)))]
+    assert pairs == [(str(number), str(number + 1)) for number in range(1, 12)]
+    assert float(dataset[8]["img1"][0, 0, 0]) == 90.0 and float(dataset[8]["img2"][0, 0, 0]) == 100.0
+
+
 def test_video_folder_videos_and_frame_folders(tmp_path: Path) -> None:
     root = tmp_path / "videos"
     frames_folder(root / "scene" / "frames", 4, suffix=".png")

@@ -60,6 +60,19 @@ def test_infer_frame_folder_writes_flo_and_colour_pictures(tmp_path, checkpoint)
     assert cv2.imread(str(out / "f01_flow.png")).shape == (HEIGHT, WIDTH, 3)
 
 
+def test_a_folder_of_frames_numbered_without_zeros_is_paired_in_time_order(tmp_path, checkpoint):
+    """Frames written as `%d.png` (1.png ... 11.png): the pairs are 1 -> 2, ..., 9 -> 10, 10 -> 11, each named
+    by its first frame (a plain sort by name would pair 1 -> 10 -> 11 -> 2 ... -> 9 and write no 9.flo)."""
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for number, frame in enumerate(frames(11), start=1):
+        cv2.imwrite(str(folder / f"{number}.png"), frame)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=1", "infer.device=cpu", "infer.save_png=false", "infer.save_video=false"))
+    assert sorted(int(path.stem) for path in out.glob("*.flo")) == list(range(1, 11))
+
+
 def test_infer_under_bf16_mixed_writes_every_pair_of_a_folder(tmp_path, checkpoint):
     """One inference context (no autograd, bf16 autocast) entered again for each pair."""
     folder = frame_folder(tmp_path / "frames")
