@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -117,15 +118,22 @@ def output_paths(settings: DictConfig, output_dir: Path, name: str) -> tuple[Pat
 
 
 def check_outputs(settings: DictConfig, names: list[str], output_dir: Path) -> None:
-    """Before any work: the outputs never replace an input, the output folder is not the input folder (a later
-    run would read the flow pictures as frames), and an earlier run's outputs are kept unless
-    infer.overwrite=true."""
+    """Before any work: no two pairs' outputs share a name, the outputs never replace an input, the output folder
+    is not the input folder (a later run would read the flow pictures as frames), and an earlier run's outputs
+    are kept unless infer.overwrite=true."""
     sources = settings.input if isinstance(settings.input, (list, tuple, ListConfig)) else [settings.input]
     inputs = {Path(source).resolve() for source in sources}
     if output_dir.resolve() in inputs:
         raise OutputPathError(
             f"infer.output_dir {output_dir} is the input folder: a later run would read the flow pictures as "
             "frames, and KITTI .png flow would replace frames; choose another infer.output_dir"
+        )
+    shared = [name for name, starts in Counter(names[:-1]).items() if starts > 1]
+    if shared:
+        raise ValueError(
+            f"infer.input: {len(shared)} name(s) start more than one pair ({', '.join(shared[:3])}: frames whose names "
+            "differ only in their suffix or folder), and each pair's outputs are named by its first frame, so one "
+            "would replace another; rename the frames so that their names without suffix differ"
         )
     outputs = []
     for name in names[:-1]:

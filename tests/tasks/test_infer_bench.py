@@ -73,6 +73,19 @@ def test_a_folder_of_frames_numbered_without_zeros_is_paired_in_time_order(tmp_p
     assert sorted(int(path.stem) for path in out.glob("*.flo")) == list(range(1, 11))
 
 
+def test_frames_whose_names_differ_only_in_their_suffix_are_refused_before_any_output(tmp_path, checkpoint):
+    """a.jpg, a.png, b.png: the pairs a.jpg -> a.png and a.png -> b.png would both write a.flo."""
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for name, frame in zip(["a.jpg", "a.png", "b.png"], frames(3), strict=True):
+        cv2.imwrite(str(folder / name), frame)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"1 name\(s\) start more than one pair \(a: "):
+        infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                         "infer.device=cpu"))
+    assert list(out.iterdir()) == []
+
+
 def test_infer_under_bf16_mixed_writes_every_pair_of_a_folder(tmp_path, checkpoint):
     """One inference context (no autograd, bf16 autocast) entered again for each pair."""
     folder = frame_folder(tmp_path / "frames")
