@@ -100,10 +100,19 @@ def _read_frame(frame: _Frame) -> np.ndarray:
     return np.ascontiguousarray(bgr[:, :, 2::-1])
 
 
-def _video_length(path: Path) -> int:
+def stated_frame_count(capture: cv2.VideoCapture) -> int | None:
+    """The number of frames an opened video's container states; None where it states none: OpenCV gives 0 or a
+    negative number for a WebM or Matroska file without a duration (as browsers record them), in which it also
+    cannot seek (a seek reads the first frame again)."""
+    count = capture.get(cv2.CAP_PROP_FRAME_COUNT)
+    return int(count) if count >= 1 else None
+
+
+def _video_length(path: Path) -> int | None:
+    """`stated_frame_count` of the video file; 0 where OpenCV cannot open it."""
     capture = cv2.VideoCapture(str(path))
     try:
-        return int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) if capture.isOpened() else 0
+        return stated_frame_count(capture) if capture.isOpened() else 0
     finally:
         capture.release()
 
@@ -259,6 +268,7 @@ class VideoFolder(_PairDataset):
         super().__init__(root=root, augmentor=augmentor, max_skips=max_skips)
         folders = [self.root, *sorted(p for p in self.root.rglob("*") if p.is_dir())]
         unusable: list[str] = []  # video files OpenCV cannot open, or with too few frames for a pair
+        unseekable: list[str] = []  # video files stating no frame count: pairs read from them would be wrong
         for folder in folders:
             video = folder.relative_to(self.root).as_posix() or "."
             frames = image_frames(folder)
@@ -271,6 +281,9 @@ class VideoFolder(_PairDataset):
             ):
                 length = _video_length(path)
                 name = path.relative_to(self.root).as_posix()
+                if length is None:
+                    unseekable.append(name)
+                    continue
                 indices = pair_indices(
                     length, frame_gap=frame_gap, stride=stride, both_directions=both_directions
                 )
@@ -282,6 +295,13 @@ class VideoFolder(_PairDataset):
             log.warning(
                 "%s %s: skipped %d video file(s) that cannot be read or have at most %d frame(s) (frame_gap): %s",
                 type(self).__name__, self.root, len(unusable), frame_gap, ", ".join(unusable[:5]),
+            )
+        if unseekable:
+            log.warning(
+                "%s %s: skipped %d video file(s) whose container states no frame count (a WebM or Matroska file "
+                "without a duration?), in which OpenCV cannot seek to a frame: %s; remux each (ffmpeg -i <file> -c "
+                "copy <new file>) or extract its frames into a folder",
+                type(self).__name__, self.root, len(unseekable), ", ".join(unseekable[:5]),
             )
         if not self.pairs:
             self._fail(f"found no video file or frame folder with more than {frame_gap} frames")

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
-from flowformer.data.video_datasets import VIDEO_SUFFIXES, frame_order
+from flowformer.data.video_datasets import VIDEO_SUFFIXES, frame_order, stated_frame_count
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.stop_signals import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
@@ -87,22 +87,37 @@ def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray
 
 
 def video_frames(path: Path) -> tuple[list[str], Iterator[np.ndarray], int]:
+    """A video file's frame names (frame_000000, ...), its frames read in order, and their number: the number
+    its container states, or, where it states none (a WebM without a duration), counted by reading it once."""
     capture = cv2.VideoCapture(str(path))
-    count = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
-    if not capture.isOpened() or count < 2:
+    count = (stated_frame_count(capture) or count_frames(path)) if capture.isOpened() else 0
+    if count < 2:
+        capture.release()
         raise FlowFileError(path, f"OpenCV cannot read it as a video with at least two frames (got {count})")
 
     def frames() -> Iterator[np.ndarray]:
         try:
-            while True:
+            for _ in range(count):
                 ok, frame = capture.read()
                 if not ok:
                     return
                 yield cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
+            if capture.grab():
+                log.warning("%s has more frames than the %d its container states: the rest are not read", path, count)
         finally:
             capture.release()
 
     return [f"frame_{i:06d}" for i in range(count)], frames(), count
+
+
+def count_frames(path: Path) -> int:
+    """The frames of a video file, counted by reading it through (without converting them)."""
+    capture = cv2.VideoCapture(str(path))
+    count = 0
+    while capture.grab():
+        count += 1
+    capture.release()
+    return count
 
 
 def to_tensor(image: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -11,11 +11,11 @@ import pytest
 from flowformer.data.datasets import DatasetRootError
 from flowformer.data.io import FlowFileError
 from flowformer.data.transforms import ImagePairAugmentor
-from flowformer.data.video_datasets import VideoFolder, YouTubeVOS, pair_indices
+from flowformer.data.video_datasets import VideoFolder, YouTubeVOS, pair_indices, stated_frame_count
 
 from helpers.trees import FRAME_H as H
 from helpers.trees import FRAME_W as W
-from helpers.trees import frames_folder, video_frame
+from helpers.trees import frames_folder, video_frame, video_without_duration
 
 
 def test_pair_indices_official_youtube_rule() -> None:
@@ -58,6 +58,25 @@ def test_a_frame_folder_numbered_without_zeros_pairs_its_frames_in_time_order(tm
     pairs = [(item["meta"]["frame1"], item["meta"]["frame2"]) for item in (dataset[i] for i in range(len(dataset)))]
     assert pairs == [(str(number), str(number + 1)) for number in range(1, 12)]
     assert float(dataset[8]["img1"][0, 0, 0]) == 90.0 and float(dataset[8]["img2"][0, 0, 0]) == 100.0
+
+
+def test_a_video_stating_no_frame_count_is_skipped_with_what_to_do(tmp_path: Path, caplog) -> None:
+    """A Matroska file without a duration (a browser's WebM recording): OpenCV states no frame count and a seek
+    reads frame 0 again, so its pairs would be a frame and itself; it is skipped with a warning saying why and
+    how to remux it, and the frame folder beside it is used."""
+    root = tmp_path / "videos"
+    frames_folder(root / "scene", 3, suffix=".png")
+    video = video_without_duration(root / "recording.mkv", 6)
+    capture = cv2.VideoCapture(str(video))
+    assert capture.isOpened() and stated_frame_count(capture) is None
+    capture.set(cv2.CAP_PROP_POS_FRAMES, 3)
+    assert capture.read()[1][0, 0, 2] < 8  # frame 0 (red 0), not frame 3 (red 90): no seeking in it
+    capture.release()
+    with caplog.at_level(logging.WARNING):
+        dataset = VideoFolder(root=root, frame_gap=1, both_directions=False)
+    assert {pair.video for pair in dataset.pairs} == {"scene"}
+    assert "1 video file(s) whose container states no frame count" in caplog.text
+    assert "recording.mkv; remux each (ffmpeg -i <file> -c copy <new file>)" in caplog.text
 
 
 def test_video_folder_videos_and_frame_folders(tmp_path: Path) -> None:

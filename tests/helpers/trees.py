@@ -120,6 +120,22 @@ def video_frame(value: int) -> np.ndarray:
     return rgb
 
 
+def video_without_duration(path: Path, count: int) -> Path:
+    """A Matroska video of `count` frames (frame j: video_frame(30 * j)) whose header holds no duration, as
+    browsers record WebM: OpenCV states no frame count for it (`stated_frame_count`) and cannot seek in it."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 10, (FRAME_W, FRAME_H))
+    for j in range(count):
+        writer.write(video_frame(30 * j)[..., ::-1].copy())
+    writer.release()
+    data = bytearray(path.read_bytes())
+    at = data.find(b"\x44\x89")  # the Duration element: its ID, its size (one byte: 0x80 | n), its n-byte float
+    assert at > 0 and data[at + 2] & 0x80, "OpenCV's Matroska header has changed"
+    length = 3 + (data[at + 2] & 0x7F)
+    data[at : at + length] = bytes([0xEC, 0x80 | (length - 2)]) + bytes(length - 2)  # a Void element as long
+    path.write_bytes(data)
+    return path
+
+
 def frames_folder(folder: Path, count: int, suffix: str = ".jpg") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for j in range(count):

@@ -22,6 +22,7 @@ from flowformer.tasks.runtime import autocast_context, load_network
 
 from helpers.compose import compose_run_config
 from helpers.compose import compose_tiny_config as config
+from helpers.trees import video_without_duration
 
 CPU = torch.device("cpu")
 HEIGHT, WIDTH = 50, 70  # not multiples of 8: the task pads and crops back
@@ -84,6 +85,16 @@ def test_frames_whose_names_differ_only_in_their_suffix_are_refused_before_any_o
         infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                          "infer.device=cpu"))
     assert list(out.iterdir()) == []
+
+
+def test_a_video_stating_no_frame_count_gets_the_flow_of_every_pair(tmp_path, checkpoint):
+    """A Matroska file without a duration (a browser's WebM recording), for which OpenCV states no frame count:
+    its frames are counted by reading it once, then each pair's flow is written."""
+    video = video_without_duration(tmp_path / "recording.mkv", 5)
+    out = tmp_path / "out"
+    infer.run(config(f"infer.input={video}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
+                     "infer.iters=1", "infer.device=cpu", "infer.save_png=false"))
+    assert sorted(path.name for path in out.iterdir()) == ["flow.mp4", *(f"frame_{i:06d}.flo" for i in range(4))]
 
 
 def test_infer_under_bf16_mixed_writes_every_pair_of_a_folder(tmp_path, checkpoint):
