@@ -99,13 +99,15 @@ _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose m
 # copies) and small extras; its records may declare at most this many times the weights' bytes (plus the floor).
 DECLARED_BYTES_FACTOR = 8
 DECLARED_BYTES_FLOOR = 64 * 2**20
+# Where a run directory (or its checkpoints/ folder) given in place of a checkpoint holds its last one.
+RUN_CHECKPOINTS = ("checkpoints/last.ckpt", "last.ckpt")
 
 
 def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
     """Load a checkpoint onto the CPU with the weights-only unpickler (never running code from the file).
 
     Returns the loaded dict. Raises FileNotFoundError when `path` does not exist and CheckpointReadError when it
-    is not a regular file (a named pipe would block), cannot be read, is not a checkpoint (or is corrupt or
+    is not a regular file (a named pipe would block; a run directory: it names the run's last.ckpt), cannot be read, is not a checkpoint (or is corrupt or
     truncated), holds pickled classes or functions, or does not hold a dict. With `network`, a file in torch's zip
     format whose records declare far more bytes than that network's weights (DECLARED_BYTES_FACTOR) is refused
     before a record is read (a small file can declare records that inflate to gigabytes).
@@ -119,9 +121,9 @@ def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
         raise CheckpointReadError(f"cannot read checkpoint {path} ({err.strerror or err})") from None
     if not stat.S_ISREG(mode):
         kind = "a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "a device"
-        raise CheckpointReadError(
-            f"checkpoint {path} is not a regular file ({kind}); expected a checkpoint file"
-        )
+        inside = [path / name for name in RUN_CHECKPOINTS if stat.S_ISDIR(mode) and (path / name).is_file()]
+        expected = f"give its {inside[0]}" if inside else "expected a checkpoint file"
+        raise CheckpointReadError(f"checkpoint {path} is not a regular file ({kind}); {expected}")
     if network is not None:
         _check_declared_size(path, network)
     try:

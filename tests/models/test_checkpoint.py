@@ -238,6 +238,17 @@ def test_read_checkpoint_returns_the_dict_and_names_a_missing_file(tmp_path: Pat
         read_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("given", ["run", "run/checkpoints"])
+def test_a_run_directory_given_for_a_checkpoint_names_its_last_checkpoint(tmp_path: Path, given: str) -> None:
+    """`eval.checkpoint=<run dir>` (or its checkpoints/ folder): the error names the file to give instead."""
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"a": torch.arange(3)}, last)
+    message = rf"checkpoint {re.escape(str(tmp_path / given))} is not a regular file \(a directory\); give its "
+    with pytest.raises(CheckpointReadError, match=message + re.escape(str(last)) + "$"):
+        read_checkpoint(tmp_path / given)
+
+
 def _random_bytes(path: Path) -> None:
     path.write_bytes(random.Random(0).randbytes(4096))
 
