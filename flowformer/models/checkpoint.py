@@ -109,9 +109,9 @@ def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
     Returns the loaded dict. Raises FileNotFoundError when `path` does not exist and CheckpointReadError when it
     is not a regular file (a named pipe would block; for a run directory it names the run's last.ckpt), cannot be
     read, is not a checkpoint (or is corrupt or truncated), holds pickled classes or functions, or does not hold a
-    dict. With `network`, a file in torch's zip
-    format whose records declare far more bytes than that network's weights (DECLARED_BYTES_FACTOR) is refused
-    before a record is read (a small file can declare records that inflate to gigabytes).
+    dict. With `network`, a file in torch's zip format whose records declare far more bytes than that network's
+    weights (DECLARED_BYTES_FACTOR) is refused before a record is read (a small file can declare records that
+    inflate to gigabytes).
     """
     path = Path(path)
     try:
