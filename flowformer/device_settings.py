@@ -300,10 +300,20 @@ def as_override(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
+# Why a setting that asks for CUDA is refused where torch.cuda.is_available() is false.
+NO_GPU_HERE = "torch sees no GPU here (no NVIDIA GPU, or no working driver for it)"
+
+
 def training_device(trainer_cfg: DictConfig) -> torch.device:
     """The device Lightning trains on, as far as the memory settings care: the GPU for trainer.accelerator gpu or
-    cuda (or auto with a GPU), the CPU otherwise."""
+    cuda (or auto with a GPU), the CPU otherwise. A ValueError before any work where the accelerator asks for a
+    GPU that torch does not see (`trainer=gpu` or `trainer=ddp` on a machine without one, or without its driver)."""
     accelerator = trainer_cfg.get("accelerator", "auto")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"trainer.accelerator={accelerator} (trainer=gpu and trainer=ddp) asks for a GPU, but {NO_GPU_HERE}; "
+            "train on the CPU with trainer=cpu, or with trainer.accelerator=cpu for trainer=ddp's processes"
+        )
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     return torch.device("cuda" if on_gpu else "cpu")
 

@@ -216,7 +216,7 @@ def measure(cfg: DictConfig) -> dict[str, Any]:
     counting the operators of the eager network (`count_operators`)."""
     bench = cfg.bench
     configure_runtime(cfg.runtime)
-    device = pick_device(bench.device)
+    device = pick_device(bench.device, "bench.device")
     torch.manual_seed(cfg.seed)
     shape = (bench.batch_size, 3, bench.height, bench.width)
     image1 = torch.rand(shape, device=device) * 255  # [B,3,H,W] in 0..255
@@ -469,7 +469,8 @@ def measure_rows(cfg: DictConfig, name: str | None, stop: StopSignals) -> list[d
     came (`stop.received`), each row is recorded stopped instead."""
     check_settings(cfg)
     bench = cfg.bench
-    chosen = device_memory_settings(cfg.backbone, pick_device(bench.device), training=bench.mode != "forward")
+    device = pick_device(bench.device, "bench.device")
+    chosen = device_memory_settings(cfg.backbone, device, training=bench.mode != "forward")
     cfg = OmegaConf.merge(cfg, {"backbone": chosen})
     bench = cfg.bench  # bench.memory_budgets_gb's default, ${backbone.memory_budget_gb}, is now the chosen one
     recomputed_sets = [list(stages) for stages in bench.activation_checkpoints] if bench.mode != "forward" else [[]]

@@ -352,7 +352,7 @@ def evaluate(cfg: DictConfig) -> float | None:
     if settings.get("submission_dir"):
         submission_dir = ensure_writable_dir(settings.submission_dir, "eval.submission_dir")
     check_outputs(settings, [protocol for protocol, _ in sets.values()], submission_dir)
-    device = pick_device(settings.device)
+    device = pick_device(settings.device, "eval.device")
     net = load_eval_network(cfg, device)
 
     results: dict[str, dict[str, float]] = {}

@@ -182,7 +182,7 @@ def prepare_network(cfg: DictConfig) -> tuple[torch.device, InferenceContext, nn
     """(device, inference context (`InferenceContext`), the network loaded from infer.checkpoint, bounded and
     compiled as set)."""
     settings = cfg.infer
-    device = pick_device(settings.device)
+    device = pick_device(settings.device, "infer.device")
     precision = settings.precision
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"

@@ -48,7 +48,7 @@ def write_heldout_panel(eval_cfg: DictConfig, path: Path, pairs: int) -> None:
     """image | ground truth | prediction | error of the first `pairs` pairs of the evaluation's first set, one
     row each, predicted as the evaluation does (its checkpoint, protocol and iterations)."""
     protocol, dataset = next(iter(open_sets(eval_cfg.eval).values()))
-    device = pick_device(eval_cfg.eval.device)
+    device = pick_device(eval_cfg.eval.device, "eval.device")
     net = load_network(eval_cfg.backbone, eval_cfg.eval.checkpoint, device)
     panels = []
     for index in range(min(pairs, len(dataset))):

@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.text import Text
 from torch import nn
 
-from flowformer.device_settings import device_memory_settings
+from flowformer.device_settings import NO_GPU_HERE, device_memory_settings
 from flowformer.models import FlowFormer
 from flowformer.models.checkpoint import load_backbone_weights
 from flowformer.models.cost_encoder import CostPerceiverEncoder
@@ -36,13 +36,14 @@ from flowformer.models.encoders import TwinsEncoder
 log = logging.getLogger(__name__)
 
 
-def pick_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; anything else as given (clear error when CUDA is absent)."""
+def pick_device(name: str, setting: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as given (a ValueError naming `setting`, e.g.
+    'eval.device', when it asks for CUDA and there is none)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} asked for CUDA, but torch sees no GPU here; use device=cpu")
+        raise ValueError(f"{setting}={name} asks for CUDA, but {NO_GPU_HERE}; use {setting}=cpu")
     return device
 
 

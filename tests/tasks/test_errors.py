@@ -7,8 +7,11 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+import torch
 
-from helpers.run import run_py
+from flowformer.device_settings import NO_GPU_HERE
+
+from helpers.run import fresh_checkout, run_py
 from helpers.trees import H, W, kitti_tree
 
 pytestmark = pytest.mark.slow
@@ -93,6 +96,33 @@ def test_missing_root_is_printed_once_and_leaves_no_run_directory(tmp_path):
     output = result.stdout + result.stderr
     assert output.count("the dataset root does not exist") == 1, output[-3000:]
     assert not list((tmp_path / "logs").rglob("run.log"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
+@pytest.mark.parametrize(
+    ("command", "line"),
+    [
+        (
+            ["debug=tiny", "trainer=gpu"],
+            (
+                f"trainer.accelerator=gpu (trainer=gpu and trainer=ddp) asks for a GPU, but {NO_GPU_HERE}; train on "
+                "the CPU with trainer=cpu"
+            ),
+        ),
+        (["task=bench", "bench=gpu"], f"bench.device=cuda asks for CUDA, but {NO_GPU_HERE}; use bench.device=cpu"),
+    ],
+    ids=["trainer=gpu", "make bench-gpu"],
+)
+def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line_naming_the_setting(tmp_path, command, line):
+    """The README's `trainer=gpu` and `make bench-gpu`'s command, run from a fresh checkout where torch sees no
+    GPU: one line naming the setting and what to set instead, no traceback, no run directory left."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    lines = error_lines(result.stderr)
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error (ValueError): {line}") and "torch sees no GPU here (no NVIDIA" in line
+    assert "Traceback" not in result.stderr
+    assert not list((checkout / "logs").rglob("*.log"))
 
 
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
