@@ -23,6 +23,7 @@ from types import ModuleType
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
 
 from flowformer.models.output_files import OutputWriteError
 from flowformer.stop_signals import StoppedBySignal
@@ -130,9 +131,12 @@ def report_error(error: BaseException) -> str:
 
 
 def find_user_error(error: BaseException) -> BaseException | None:
-    """The user-facing error in an exception chain (Hydra's instantiate wraps the original as __cause__)."""
+    """The user-facing error in an exception chain (Hydra's instantiate wraps the original as __cause__); a
+    setting the config leaves to the command line (`???`, e.g. infer.input) read unset is one ValueError naming it."""
     while error is not None:
         if isinstance(error, USER_ERRORS):
             return error
+        if isinstance(error, MissingMandatoryValue):
+            return ValueError(f"{error.full_key} is not set, and has no default: add {error.full_key}=<value> to the command")
         error = error.__cause__
     return None

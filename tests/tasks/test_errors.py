@@ -125,6 +125,26 @@ def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line_naming_the_setting
     assert not list((checkout / "logs").rglob("*.log"))
 
 
+@pytest.mark.parametrize(
+    ("command", "setting"),
+    [
+        (["task=infer", "infer.checkpoint=things.pth"], "infer.input"),
+        (["task=convert", "convert.input=things.pth"], "convert.output"),
+    ],
+)
+def test_a_setting_left_to_the_command_line_and_not_given_is_one_line_naming_it(tmp_path, command, setting):
+    """The README's task=infer and task=convert without a setting their configs leave to the command line (`???`):
+    one line naming it, no traceback, no run directory left."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == [
+        f"error (ValueError): {setting} is not set, and has no default: add {setting}=<value> to the command"
+    ]
+    assert "Traceback" not in result.stderr
+    assert not list((checkout / "logs").rglob("*.log"))
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
