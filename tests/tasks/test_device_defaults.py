@@ -217,7 +217,11 @@ def test_training_builds_the_backbone_with_the_choice_for_the_trainer_device(cap
     assert model.backbone.memory_budget_gb is None and model.hparams.backbone["memory_budget_gb"] is None
     kept = build_model(compose_tiny_config("trainer=cpu", "backbone.tokenize_chunk=7"))
     assert kept.backbone.cost_encoder.tokenize_chunk == 7
-    assert training_device(compose_tiny_config("trainer=gpu").trainer) == torch.device("cuda")
+    if torch.cuda.is_available():
+        assert training_device(compose_tiny_config("trainer=gpu").trainer) == torch.device("cuda")
+    else:  # refused before any work (tests/tasks/test_errors.py runs it)
+        with pytest.raises(ValueError, match=r"trainer.accelerator=gpu \(trainer=gpu and trainer=ddp\) asks for a GPU"):
+            training_device(compose_tiny_config("trainer=gpu").trainer)
     assert training_device(compose_tiny_config("trainer=cpu").trainer) == torch.device("cpu")
 
 
