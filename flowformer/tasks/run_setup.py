@@ -83,6 +83,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )
+    start_wandb_runs(loggers)
     log_config(loggers, cfg)
     record_wandb_id(loggers, output_dir / "checkpoints")
     return PreparedRun(trainer=trainer, monitor=monitor)
@@ -312,6 +313,27 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
     return callbacks
+
+
+@rank_zero_only
+def start_wandb_runs(loggers: list[Logger]) -> None:
+    """Starts the run of each wandb logger (wandb.init) before any training, so that wandb's refusal (no API key
+    on this machine, its server out of reach, a project or entity the key may not write to) is one ValueError
+    saying how to log in or to log offline, not a traceback."""
+    for logger in loggers:
+        if not isinstance(logger, WandbLogger):
+            continue
+        from wandb.errors import Error as WandbError  # wandb is imported only by runs that log to it
+
+        try:
+            logger.experiment  # noqa: B018 - the property starts the run
+        except WandbError as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(
+                f"logger=wandb: wandb did not start its run ({reason}); log in once with `wandb login` (or set "
+                "WANDB_API_KEY), or log without an account or network with WANDB_MODE=offline (`wandb sync "
+                "<run dir>/wandb/offline-run-*` uploads it later), or log to CSV only with logger=csv"
+            ) from None
 
 
 @rank_zero_only
