@@ -132,11 +132,13 @@ def report_error(error: BaseException) -> str:
 
 def find_user_error(error: BaseException) -> BaseException | None:
     """The user-facing error in an exception chain (Hydra's instantiate wraps the original as __cause__); a
-    setting the config leaves to the command line (`???`, e.g. infer.input) read unset is one ValueError naming it."""
+    setting the config leaves to the command line (`???`, e.g. infer.input) read unset is a ValueError naming
+    it."""
     while error is not None:
         if isinstance(error, USER_ERRORS):
             return error
         if isinstance(error, MissingMandatoryValue):
-            return ValueError(f"{error.full_key} is not set, and has no default: add {error.full_key}=<value> to the command")
+            key = error.full_key
+            return ValueError(f"{key} is not set, and has no default: add {key}=<value> to the command")
         error = error.__cause__
     return None
