@@ -1,10 +1,12 @@
-"""Hydra overrides: their keys (`override_key`), values written for the commands a pipeline runs (`path_value`,
-`override_value`: Hydra reads the value back unchanged), and the commands a line tells the user to run
-(`shell_override`, `command_again`: typed in a POSIX shell as printed, Hydra reads the same values)."""
+"""Hydra overrides: the command line's with `~` expanded (`expand_home`), their keys (`override_key`), values
+written for the commands a pipeline runs (`path_value`, `override_value`: Hydra reads the value back unchanged),
+and the commands a line tells the user to run (`shell_override`, `command_again`: typed in a POSIX shell as
+printed, Hydra reads the same values)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import sys
@@ -15,6 +17,20 @@ from hydra.core.hydra_config import HydraConfig
 
 # Values that Hydra reads and a shell passes as they are: no quoting, so that the usual paths print plainly.
 PLAIN_VALUE = re.compile(r"[\w./:@+-]+")
+
+
+# A value of `key=value`, or an item of `key=[a,b]`, that starts at a home directory: `~`, `~/...`, `~user/...`.
+HOME_PREFIX = re.compile(r"(?<=[=\[,])~[\w.-]*(?=/|$|,|\])")
+
+
+def expand_home(arguments: list[str]) -> list[str]:
+    """Command-line overrides with `~` at the start of a value (or of a list's item) expanded to the home
+    directory, as bash does for `key=~/path` and sh, dash and zsh do not: Hydra's parser refuses the `~` they pass
+    on (`LexerNoViableAltException: paths.log_dir=~/flow_logs`). Flags and quoted values stay."""
+    return [
+        argument if argument.startswith("-") else HOME_PREFIX.sub(lambda home: os.path.expanduser(home[0]), argument)
+        for argument in arguments
+    ]
 
 
 def override_key(override: str) -> str:

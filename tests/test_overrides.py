@@ -1,6 +1,6 @@
 """The overrides a stop line tells the user to type (`shell_override`) reach Hydra unchanged through a POSIX shell,
 for paths that need quoting in either: a multirun job's folder (`=` and `,`), spaces, quotes, `$`, backslashes;
-the command it prints (`command_again`) is the run's own."""
+the command it prints (`command_again`) is the run's own; a value at `~` reaches it expanded (`expand_home`)."""
 
 import shlex
 import sys
@@ -11,9 +11,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from flowformer.overrides import command_again, shell_override
+from flowformer.overrides import command_again, expand_home, shell_override
 
 from helpers.configs import CONF_DIR
+from helpers.run import fresh_checkout, run_py
 
 AWKWARD = [
     "/logs/train/default/multiruns/2026-11-29_23-52-12/0_backbone.agt_depth=1,model.optimizer.lr=0.0002/last.ckpt",
@@ -53,3 +54,26 @@ def test_the_command_again_keeps_the_config_name_and_hydras_overrides_but_not_th
         "run.py", "--config-name=mine", searchpath, "hydra.verbose=true", "debug=tiny", "pipeline.resume='/logs/run 2'"
     ]
     assert Path(again[0]).resolve() == Path(sys.executable).resolve()
+
+
+def test_a_value_at_the_home_directory_is_expanded_as_bash_does(monkeypatch):
+    """What sh, dash and zsh pass for `key=~/path` (bash expands it itself): the value, or each item of a list or
+    a sweep, that starts at `~` reads from the home directory; flags, `~` inside a value and quoted values stay."""
+    monkeypatch.setenv("HOME", "/home/me")
+    given = ["paths.log_dir=~/flow_logs", "infer.input=[~/a.png,~/b.png]", "paths.data_dir=~/a,~", "x=a~/b",
+             "name='~/quoted'", "--config-name=~mine", "~trainer.max_steps"]
+    assert expand_home(given) == [
+        "paths.log_dir=/home/me/flow_logs",
+        "infer.input=[/home/me/a.png,/home/me/b.png]",
+        "paths.data_dir=/home/me/a,/home/me",
+        *given[3:],
+    ]
+
+
+def test_a_run_given_its_log_dir_at_home_as_sh_passes_it_writes_there(tmp_path):
+    """`python run.py ... paths.log_dir=~/flow_logs` typed in sh (which passes the `~` on, and Hydra's parser
+    refused it): the run is written under the home directory."""
+    checkout, home = fresh_checkout(tmp_path / "checkout"), tmp_path / "home"
+    run_py("debug=tiny", "trainer.max_steps=1", "paths.log_dir=~/flow_logs", cwd=checkout, env={"HOME": str(home)})
+    assert list((home / "flow_logs" / "train" / "default" / "runs").glob("*/checkpoints/last.ckpt"))
+    assert not (checkout / "~").exists()
