@@ -4,6 +4,7 @@ stage chaining, resume with its wandb run (offline), multirun sweeps and clean e
 import importlib
 import json
 import logging
+import re
 
 import lightning as L
 import pytest
@@ -132,6 +133,16 @@ def test_help_lists_every_task_and_config_group_and_writes_nothing(tmp_path):
     assert "quickstart" in groups["experiment"] and "smoke" in groups["protocol"] and "tiny" in groups["backbone"]
     assert "--cfg job" in result.stdout and "powered by Hydra" not in result.stdout
     assert set(checkout.iterdir()) == before
+
+
+def test_training_whose_console_is_no_terminal_logs_its_progress(tmp_path):
+    """A run whose output goes to a file (a SLURM job's, a CI log), where the bar is not drawn: a line of its step,
+    loss, rate and time left every callbacks.progress_log.every_s seconds, on the console and in run.log."""
+    run_py("debug=tiny", "trainer.max_steps=3", "callbacks.progress_log.every_s=0", f"hydra.run.dir={tmp_path}")
+    lines = [line for line in (tmp_path / "run.log").read_text().splitlines() if "flowformer.lit.progress" in line]
+    steps = [line.split(" - ")[1].split(":")[0] for line in lines]
+    assert steps == ["step 1/3 (33%)", "step 2/3 (67%)", "step 3/3 (100%)"]
+    assert all(re.search(r": train/loss [\d.]+, [\d.]+ steps/s, \d+:\d\d:\d\d left$", line) for line in lines), lines
 
 
 @pytest.mark.parametrize("bar", [True, False])
