@@ -46,11 +46,9 @@ def frame_order(path: Path) -> tuple[list[str | int], str]:
     return [int(part) if index % 2 else part for index, part in enumerate(parts)], path.name
 
 
-def image_frames(folder: Path) -> list[Path]:
-    """The image files of `folder` (IMAGE_SUFFIXES), in time order (`frame_order`)."""
-    return sorted(
-        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES), key=frame_order
-    )
+def image_frames(folder: Path, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> list[Path]:
+    """The image files of `folder` (with one of `suffixes`), in time order (`frame_order`)."""
+    return sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes), key=frame_order)
 
 
 def pair_indices(

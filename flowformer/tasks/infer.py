@@ -39,7 +39,7 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
-from flowformer.data.video_datasets import VIDEO_SUFFIXES, frame_order, stated_frame_count
+from flowformer.data.video_datasets import VIDEO_SUFFIXES, image_frames, stated_frame_count
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.stop_signals import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
@@ -77,7 +77,7 @@ def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray
             raise ValueError(
                 f"infer.input={source!r} is neither a folder of frames nor a video ({', '.join(VIDEO_SUFFIXES)})"
             )
-        paths = sorted((p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES), key=frame_order)
+        paths = image_frames(path, IMAGE_SUFFIXES)
         if len(paths) < 2:
             raise ValueError(
                 f"infer.input folder {path} holds {len(paths)} image(s) with suffix {', '.join(IMAGE_SUFFIXES)}; "
