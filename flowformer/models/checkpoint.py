@@ -210,11 +210,16 @@ def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str, Mappin
     raise ValueError(f"{path}: not an official .pth, a {BACKBONE_FORMAT} file or a Lightning .ckpt")
 
 
+# keys listed of each kind of mismatch: a network of other backbone settings differs in hundreds (a tiny checkpoint
+# in the official-size network: 486 lines), and the settings line after the lists says what to change
+MISMATCH_KEYS_LISTED = 10
+
+
 def check_compatible(
     net: nn.Module, state: Mapping[str, Tensor], source: str, skip_prefixes: Iterable[str] = ()
 ) -> list[str]:
     """Raise `CheckpointMismatchError` listing missing, unexpected and shape-mismatched keys (outside
-    `skip_prefixes`); return the skipped keys."""
+    `skip_prefixes`; the first MISMATCH_KEYS_LISTED of each, with the count); return the skipped keys."""
     skip = tuple(skip_prefixes)
     own = net.state_dict()
     skipped = sorted(k for k in set(own) | set(state) if k.startswith(skip)) if skip else []
@@ -230,7 +235,9 @@ def check_compatible(
     if missing or unexpected or mismatched:
 
         def block(title: str, items: list[str]) -> str:
-            return f"\n  {title} ({len(items)}):" + "".join(f"\n    {i}" for i in items)
+            listed = "".join(f"\n    {i}" for i in items[:MISMATCH_KEYS_LISTED])
+            more = len(items) - MISMATCH_KEYS_LISTED
+            return f"\n  {title} ({len(items)}):{listed}" + (f"\n    ... and {more} more" if more > 0 else "")
 
         raise CheckpointMismatchError(
             f"{source} does not match the network"

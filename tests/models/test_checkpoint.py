@@ -19,6 +19,7 @@ from flowformer.models import (
     save_backbone,
 )
 from flowformer.models.checkpoint import (
+    MISMATCH_KEYS_LISTED,
     CheckpointMismatchError,
     CheckpointReadError,
     current_backbone_config,
@@ -136,6 +137,25 @@ def test_a_checkpoint_of_other_backbone_settings_names_them_as_overrides(tmp_pat
         "The checkpoint's network was built with other backbone settings: backbone.agt_depth=1 (here 2), "
         "backbone.decoder_dim=32 (here 64); run with those (or the backbone=<config> it was trained with)."
     )
+
+
+def test_a_mismatch_of_many_keys_lists_the_first_of_each_kind_and_counts_them(tmp_path: Path) -> None:
+    """An eval of a tiny checkpoint in the official-size network (`backbone=` forgotten) differs in hundreds of
+    keys: each kind lists its first MISMATCH_KEYS_LISTED keys and how many more, so the settings line that
+    says what to change stays in view (it was 486 lines)."""
+    save_backbone(tmp_path / "tiny.pt", build_backbone())
+    network = build_backbone(agt_depth=3)
+    missing = set(network.state_dict()) - set(build_backbone().state_dict())
+    assert len(missing) > MISMATCH_KEYS_LISTED
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_backbone_weights(network, tmp_path / "tiny.pt")
+    lines = str(err.value).splitlines()
+    at = lines.index(f"  missing keys ({len(missing)}):")
+    listed = lines[at + 1 : at + 1 + MISMATCH_KEYS_LISTED]
+    assert [line.strip() for line in listed] == sorted(missing)[:MISMATCH_KEYS_LISTED]
+    assert lines[at + 1 + MISMATCH_KEYS_LISTED] == f"    ... and {len(missing) - MISMATCH_KEYS_LISTED} more"
+    assert len(lines) <= 3 * (MISMATCH_KEYS_LISTED + 2) + 3
+    assert lines[-1].startswith("The checkpoint's network was built with other backbone settings:")
 
 
 def test_load_official_refuses_the_other_variant(tmp_path: Path) -> None:
