@@ -5,9 +5,9 @@ masks, deterministic from ``(seed, index)``); only the layers' textures differ: 
 photograph instead of procedural noise (:class:`PhotoTextures`, the synthetic module's ``TextureSource``).
 FlyingChairs is this kind of data (chairs over Flickr photographs).
 
-- The photographs are the ``.jpg``/``.png`` (and ``.bmp .ppm .webp``) files under ``root``, searched
-  recursively, each file once however many links lead to it (a link loop is not followed, a warning counts
-  what was skipped); with ``root`` null, photographs that ship inside scikit-image (:data:`SKIMAGE_PHOTOS`), so
+- The photographs are the image files under ``root`` (``.jpg .png``, also ``.jpeg .ppm .bmp .tif .tiff .webp``:
+  IMAGE_SUFFIXES), searched recursively, each file once however many links lead to it (a link loop is not
+  followed, a warning counts what was skipped); with ``root`` null, photographs that ship inside scikit-image (:data:`SKIMAGE_PHOTOS`), so
   nothing is downloaded.
 - ``split`` ``train`` or ``val``: the files are ordered by a hash of their path relative to the root and
   the first ``round(n * val_fraction)`` (at least 1, at most n - 1) are held out for ``val``. A file is in
@@ -35,11 +35,10 @@ import torch
 from PIL import Image
 
 from flowformer.data.datasets import to_chw
-from flowformer.data.io import FlowFileError, InputsGoneError, exif_orientation, read_image
+from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, InputsGoneError, exif_orientation, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
 from flowformer.data.transforms import FlowAugmentor, ImagePairAugmentor, WorkerRNG
-from flowformer.data.video_datasets import IMAGE_SUFFIXES
 
 __all__ = [
     "SKIMAGE_PHOTOS",

@@ -37,6 +37,9 @@ __all__ = [
     "write_kitti_flow",
 ]
 
+# the image files read_image reads, by suffix (lower case), wherever a folder's images are listed: task=infer's
+# frames, pretraining frame folders (data=video_folder) and data=image_folder's photographs
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".tif", ".tiff", ".webp")
 FLO_MAGIC = 202021.25  # the float32 tag at the start of every Middlebury .flo file
 _KITTI_OFFSET = 2.0**15  # u = (R - 2^15) / 64, official readFlowKITTI
 _KITTI_SCALE = 64.0
@@ -300,7 +303,11 @@ def read_image(path: PathLike) -> np.ndarray:
     if raw is None:
         raise FlowFileError(path, "cannot decode the file as an image (corrupt or unsupported format?)")
     if raw.dtype != np.uint8:
-        raise FlowFileError(path, f"expected an 8-bit image, got dtype {raw.dtype}")
+        raise FlowFileError(
+            path,
+            f"expected an 8-bit image, got {raw.dtype.itemsize * 8}-bit values ({raw.dtype}); the network takes "
+            "8 bits a channel: convert the images to 8 bits, scaled to their own range",
+        )
     channels = 1 if raw.ndim == 2 else raw.shape[2]
     if channels not in _TO_RGB:
         raise FlowFileError(path, f"expected 1, 3 or 4 image channels, got {channels}")

@@ -24,7 +24,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from flowformer.data.datasets import DatasetRootError, to_chw
-from flowformer.data.io import FlowFileError, read_image
+from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.transforms import ImagePairAugmentor, WorkerRNG
 
@@ -33,7 +33,6 @@ __all__ = ["VideoFolder", "YouTubeVOS", "pair_indices"]
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg")
 NUMBER = re.compile(r"(\d+)")
 
@@ -46,9 +45,10 @@ def frame_order(path: Path) -> tuple[list[str | int], str]:
     return [int(part) if index % 2 else part for index, part in enumerate(parts)], path.name
 
 
-def image_frames(folder: Path, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> list[Path]:
-    """The image files of `folder` (with one of `suffixes`), in time order (`frame_order`)."""
-    return sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes), key=frame_order)
+def image_frames(folder: Path) -> list[Path]:
+    """The image files of `folder` (IMAGE_SUFFIXES), in time order (`frame_order`)."""
+    frames = (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(frames, key=frame_order)
 
 
 def pair_indices(

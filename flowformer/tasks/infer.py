@@ -38,7 +38,14 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 
-from flowformer.data.io import FlowFileError, read_image, write_flo, write_image, write_kitti_flow
+from flowformer.data.io import (
+    IMAGE_SUFFIXES,
+    FlowFileError,
+    read_image,
+    write_flo,
+    write_image,
+    write_kitti_flow,
+)
 from flowformer.data.video_datasets import VIDEO_SUFFIXES, image_frames, stated_frame_count
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
 from flowformer.stop_signals import StoppedBySignal, StopSignals
@@ -54,7 +61,6 @@ from flowformer.viz import flow_to_color
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".tif", ".tiff", ".webp")
 VIDEO_NAME = "flow.mp4"  # the colour-coded flow of every pair, in infer.output_dir
 CLAIM_FILE = ".infer_claim"  # in infer.output_dir while a run writes there (claim_output_dir)
 
@@ -77,7 +83,7 @@ def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray
             raise ValueError(
                 f"infer.input={source!r} is neither a folder of frames nor a video ({', '.join(VIDEO_SUFFIXES)})"
             )
-        paths = image_frames(path, IMAGE_SUFFIXES)
+        paths = image_frames(path)
         if len(paths) < 2:
             raise ValueError(
                 f"infer.input folder {path} holds {len(paths)} image(s) with suffix {', '.join(IMAGE_SUFFIXES)}; "

@@ -343,3 +343,17 @@ def test_a_tiny_mcva_pretraining_run_on_clips_of_the_folder(photos: Path, tmp_pa
     )
     _, trainer = fit(cfg)
     assert trainer.global_step == 2 and (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_tiff_photographs_are_read_and_16_bit_ones_skipped(tmp_path: Path, caplog) -> None:
+    """Photographs saved as TIFF (`.tif`, `.tiff`) are photographs of the folder, as `task=infer` reads TIFF
+    frames; a 16-bit TIFF is skipped with the 16-bit PNGs' warning."""
+    root = tmp_path / "photos"
+    root.mkdir()
+    for seed in range(4):
+        assert cv2.imwrite(str(root / f"{seed}.tif"), _photo(seed))
+    assert cv2.imwrite(str(root / "deep.tiff"), _photo(4).astype(np.uint16) * 257)
+    with caplog.at_level(logging.WARNING):
+        dataset = ImageFolderFlowDataset(root=root, num_samples=1, size=SIZE, val_fraction=0.25)
+    assert {path.suffix for path in dataset.textures.files} == {".tif"}
+    assert sum(int(line.split("skipped ")[1].split()[0]) for line in caplog.messages if "not 8-bit" in line) == 1

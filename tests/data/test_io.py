@@ -188,7 +188,7 @@ def test_read_image_grey_rgb_rgba(tmp_path: Path) -> None:
     np.testing.assert_array_equal(read_image(tmp_path / "rgba.png"), rgb)
 
     cv2.imwrite(str(tmp_path / "deep.png"), np.zeros((4, 4), np.uint16))
-    with pytest.raises(FlowFileError, match="deep.png.*8-bit"):
+    with pytest.raises(FlowFileError, match="deep.png: expected an 8-bit image, got 16-bit values.*convert the images"):
         read_image(tmp_path / "deep.png")
 
 

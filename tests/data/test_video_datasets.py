@@ -60,6 +60,23 @@ def test_a_frame_folder_numbered_without_zeros_pairs_its_frames_in_time_order(tm
     assert float(dataset[8]["img1"][0, 0, 0]) == 90.0 and float(dataset[8]["img2"][0, 0, 0]) == 100.0
 
 
+def test_a_folder_of_tiff_frames_is_a_video_as_for_task_infer(tmp_path: Path) -> None:
+    """Frames saved as TIFF (`.tif`, `.tiff`, as microscopes and image tools write them) are a video's frames, as
+    `task=infer` reads such a folder: one list of image suffixes (IMAGE_SUFFIXES) for both."""
+    root = tmp_path / "videos"
+    frames_folder(root / "scene", 3, suffix=".tif")
+    frames_folder(root / "other", 2, suffix=".tiff")
+    dataset = VideoFolder(root=root, frame_gap=1, both_directions=False)
+    pairs = {(pair.video, pair.frame1.path.name, pair.frame2.path.name) for pair in dataset.pairs}
+    assert pairs == {
+        ("scene", "00000.tif", "00001.tif"),
+        ("scene", "00001.tif", "00002.tif"),
+        ("other", "00000.tiff", "00001.tiff"),
+    }
+    item = dataset[[pair.frame1.path.name for pair in dataset.pairs].index("00001.tif")]
+    assert float(item["img1"][0, 0, 0]) == 10.0 and float(item["img2"][0, 0, 0]) == 20.0
+
+
 def test_a_video_stating_no_frame_count_is_skipped_with_what_to_do(tmp_path: Path, caplog) -> None:
     """A Matroska file without a duration (a browser's WebM recording): OpenCV states no frame count and a seek
     reads frame 0 again, so its pairs would be a frame and itself; it is skipped with a warning saying why and
