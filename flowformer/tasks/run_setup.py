@@ -21,6 +21,8 @@ from typing import Any
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
@@ -80,13 +82,32 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     resume = checked_resume(cfg, datamodule, model) if cfg.get("ckpt_path") else None
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg), RandomStates(), Preemption(), DataWait()]
-    trainer: L.Trainer = hydra.utils.instantiate(
+    trainer = build_trainer(
         cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )
     start_wandb_runs(loggers)
     log_config(loggers, cfg)
     record_wandb_id(loggers, output_dir / "checkpoints")
     return PreparedRun(trainer=trainer, monitor=monitor)
+
+
+def build_trainer(trainer_cfg: DictConfig, **parts: Any) -> L.Trainer:
+    """Lightning's Trainer from `trainer_cfg` (cfg.trainer) and the run's `parts` (loggers, callbacks, plugins).
+    A setting Lightning refuses with other than a ValueError (a wrong type, `trainer.max_steps=abc`; a
+    MisconfigurationException, `trainer.devices=0`; an accelerator whose package is missing, `trainer.accelerator=
+    tpu`) is a ValueError naming trainer.*, Lightning's reason and the trainer settings of the command line."""
+    try:
+        return hydra.utils.instantiate(trainer_cfg, **parts)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if not isinstance(cause, TypeError | ImportError | MisconfigurationException):
+            raise
+        overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+        given = [override for override in overrides if override.startswith("trainer")]
+        where = f" (the command sets {' '.join(given)})" if given else ""
+        raise ValueError(
+            f"Lightning's Trainer refuses the trainer.* settings{where}: {type(cause).__name__}: {cause}"
+        ) from error
 
 
 def checked_resume(

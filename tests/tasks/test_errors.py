@@ -145,6 +145,28 @@ def test_a_setting_left_to_the_command_line_and_not_given_is_one_line_naming_it(
     assert not list((checkout / "logs").rglob("*.log"))
 
 
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [
+        ("trainer.max_steps=abc", "TypeError: '<' not supported between instances of 'str' and 'int'"),
+        ("trainer.devices=0", "MisconfigurationException: `Trainer(devices=0)` value is not a valid input"),
+    ],
+)
+def test_a_trainer_setting_lightning_refuses_is_one_line_naming_it(tmp_path, setting, reason):
+    """A trainer.* value of the wrong type, or one Lightning calls misconfigured: before, Hydra's "Error in call
+    to target 'lightning.pytorch.trainer.trainer.Trainer'" lines, with the run directory left behind. Now one
+    line with the setting the command gave and Lightning's reason, no run directory."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("debug=tiny", setting, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = error_lines(result.stderr)
+    assert line.startswith(
+        f"error (ValueError): Lightning's Trainer refuses the trainer.* settings (the command sets {setting}): {reason}"
+    )
+    assert "Error in call to target" not in result.stderr
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
