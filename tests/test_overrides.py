@@ -2,16 +2,18 @@
 for paths that need quoting in either: a multirun job's folder (`=` and `,`), spaces, quotes, `$`, backslashes;
 the command it prints (`command_again`) is the run's own; a value at `~` reaches it expanded (`expand_home`)."""
 
+import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from flowformer.overrides import command_again, expand_home, shell_override
+from flowformer.overrides import command_again, expand_home, shell_override, whole_number
 
 from helpers.configs import CONF_DIR
 from helpers.run import fresh_checkout, run_py
@@ -77,3 +79,23 @@ def test_a_run_given_its_log_dir_at_home_as_sh_passes_it_writes_there(tmp_path):
     run_py("debug=tiny", "trainer.max_steps=1", "paths.log_dir=~/flow_logs", cwd=checkout, env={"HOME": str(home)})
     assert list((home / "flow_logs" / "train" / "default" / "runs").glob("*/checkpoints/last.ckpt"))
     assert not (checkout / "~").exists()
+
+
+@pytest.mark.parametrize(("value", "count"), [(100000, 100000), (1e5, 100000), (2.0, 2)])
+def test_a_count_written_as_a_whole_float_is_that_number(value, count):
+    assert whole_number(value, "trainer.max_steps") == count and type(whole_number(value, "x")) is int
+
+
+@pytest.mark.parametrize("value", ["10k", 2.5, True, None])
+def test_a_count_that_is_not_a_whole_number_is_refused_naming_the_setting(value):
+    with pytest.raises(ValueError, match=re.escape(f"data.batch_size={value!r}: expected a whole number")):
+        whole_number(value, "data.batch_size")
+
+
+def test_a_run_given_its_steps_as_1e_trains_that_many(tmp_path):
+    """`trainer.max_steps=2e0` (as `1e5` is written): Hydra reads a float, and the OneCycle schedule derived from
+    it refused the run ("Expected positive integer total_steps, but got 102.0"). It trains 2 steps."""
+    checkout = fresh_checkout(tmp_path)
+    run_py("debug=tiny", "trainer.max_steps=2e0", cwd=checkout)
+    (last,) = (checkout / "logs").rglob("last.ckpt")
+    assert torch.load(last, weights_only=True)["global_step"] == 2

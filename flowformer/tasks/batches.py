@@ -13,6 +13,8 @@ import logging
 
 from omegaconf import DictConfig, ListConfig
 
+from flowformer.overrides import whole_number
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +51,7 @@ def per_process_batch(cfg: DictConfig) -> int:
     """data.batch_size where it is set, else the stage's global batch shared out over the processes and the
     accumulated batches; a ValueError (one line) where that does not divide."""
     if cfg.data.get("batch_size") is not None:
-        return int(cfg.data.batch_size)
+        return whole_number(cfg.data.batch_size, "data.batch_size")
     stage = cfg.get("global_batch")
     if stage is None:
         raise ValueError("data.batch_size is null and no stage states its global batch: set data.batch_size")

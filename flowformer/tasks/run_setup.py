@@ -38,6 +38,7 @@ from flowformer.lit.checkpointing import (
 )
 from flowformer.lit.data_wait import DataWait
 from flowformer.models.output_files import atomic_write_text
+from flowformer.overrides import whole_number
 from flowformer.tasks.preemption import Preemption
 from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
 from flowformer.tasks.runtime import log_parameter_counts, parameter_counts
@@ -74,6 +75,8 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
     resume, Preemption for the stop signals, and DataWait, how long each step waited for its data); the loggers
     get the whole config, and a wandb run's id is stored beside the checkpoints."""
+    if cfg.trainer.get("max_steps") is not None:  # 1e5 on the command line: the whole number Lightning counts to
+        cfg.trainer.max_steps = whole_number(cfg.trainer.max_steps, "trainer.max_steps")
     check_validation_interval(cfg.trainer.get("val_check_interval"))
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir, parameter_counts(model), memory_settings(model))
@@ -93,7 +96,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
 
 def build_trainer(trainer_cfg: DictConfig, **parts: Any) -> L.Trainer:
     """Lightning's Trainer from `trainer_cfg` (cfg.trainer) and the run's `parts` (loggers, callbacks, plugins).
-    A setting Lightning refuses with other than a ValueError (a wrong type, `trainer.max_steps=abc`; a
+    A setting Lightning refuses with other than a ValueError (a wrong type, `trainer.limit_val_batches=abc`; a
     MisconfigurationException, `trainer.devices=0`; an accelerator whose package is missing, `trainer.accelerator=
     tpu`) is a ValueError naming trainer.*, Lightning's reason and the trainer settings of the command line."""
     try:

@@ -148,12 +148,12 @@ def test_a_setting_left_to_the_command_line_and_not_given_is_one_line_naming_it(
 @pytest.mark.parametrize(
     ("setting", "reason"),
     [
-        ("trainer.max_steps=abc", "TypeError: '<' not supported between instances of 'str' and 'int'"),
+        ("trainer.limit_val_batches=abc", "TypeError: '<=' not supported between instances of 'int' and 'str'"),
         ("trainer.devices=0", "MisconfigurationException: `Trainer(devices=0)` value is not a valid input"),
     ],
 )
 def test_a_trainer_setting_lightning_refuses_is_one_line_naming_it(tmp_path, setting, reason):
-    """A trainer.* value of the wrong type, or one Lightning calls misconfigured: before, Hydra's "Error in call
+    """A trainer.* value of the wrong type (a word for a number), or one Lightning calls misconfigured: before, Hydra's "Error in call
     to target 'lightning.pytorch.trainer.trainer.Trainer'" lines, with the run directory left behind. Now one
     line with the setting the command gave and Lightning's reason, no run directory."""
     checkout = fresh_checkout(tmp_path)
