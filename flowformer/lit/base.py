@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -206,14 +206,24 @@ def stored_hyperparameters(checkpoint: Any) -> dict[str, Any]:
     return stored
 
 
-def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Any:
-    """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too."""
+def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Callable[..., Any]:
+    """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too. A call its
+    target refuses with a TypeError or ValueError (torch's "Invalid learning rate: -1", a word for a number, a
+    keyword it does not take) is a ValueError naming `name`, the target and its reason."""
     if not config.get("_partial_"):
         raise ValueError(
             f"{name} must be a Hydra partial (`_partial_: true`): the module passes the parameters "
             f"(optimizer) or the optimiser (scheduler) itself; got {dict(config)}"
         )
-    return hydra.utils.instantiate(config, **overrides)
+    build = hydra.utils.instantiate(config, **overrides)
+
+    def call(*args: Any) -> Any:
+        try:
+            return build(*args)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name} ({config['_target_']}) refuses its settings: {error}") from error
+
+    return call
 
 
 class BackboneModule(L.LightningModule):

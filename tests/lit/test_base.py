@@ -124,6 +124,26 @@ def test_an_optimizer_config_without_partial_is_refused_with_its_name():
         module.configure_optimizers()
 
 
+@pytest.mark.parametrize(
+    ("group", "setting", "value", "reason"),
+    [
+        ("optimizer", "lr", -1, "(torch.optim.AdamW) refuses its settings: Invalid learning rate: -1"),
+        ("optimizer", "lr", "abc", "(torch.optim.AdamW) refuses its settings: '<=' not supported between"),
+        ("optimizer", "foo", 1, "(torch.optim.AdamW) refuses its settings: AdamW.__init__() got an unexpected"),
+        ("scheduler", "pct_start", 2, "(torch.optim.lr_scheduler.OneCycleLR) refuses its settings: Expected float"),
+    ],
+)
+def test_a_setting_the_optimizer_or_schedule_refuses_is_one_line_naming_it(group, setting, value, reason):
+    """`model.optimizer.lr=-1`, `model.optimizer.lr=abc`, `+model.optimizer.foo=1`, `model.scheduler.pct_start=2`:
+    torch's own error (a traceback for the TypeErrors) named no setting; now a ValueError naming the group."""
+    settings = flow_settings()
+    settings[group][setting] = value
+    module = attach_trainer(FlowModule(backbone=backbone_config(), **settings))
+    with pytest.raises(ValueError) as error:
+        module.configure_optimizers()
+    assert str(error.value).startswith(f"model.{group} {reason}")
+
+
 def test_a_schedule_of_null_length_needs_trainer_max_steps():
     with pytest.raises(ValueError, match="trainer.max_steps is -1"):
         attach_trainer(make_module(FlowModule), max_steps=-1).configure_optimizers()
