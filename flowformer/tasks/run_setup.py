@@ -85,8 +85,8 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     resume = checked_resume(cfg, datamodule, model) if cfg.get("ckpt_path") else None
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg), RandomStates(), Preemption(), DataWait()]
-    trainer = build_trainer(
-        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
+    trainer = instantiate_setting(
+        cfg.trainer, "trainer", logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )
     start_wandb_runs(loggers)
     log_config(loggers, cfg)
@@ -94,22 +94,23 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     return PreparedRun(trainer=trainer, monitor=monitor)
 
 
-def build_trainer(trainer_cfg: DictConfig, **parts: Any) -> L.Trainer:
-    """Lightning's Trainer from `trainer_cfg` (cfg.trainer) and the run's `parts` (loggers, callbacks, plugins).
-    A setting Lightning refuses with other than a ValueError (a wrong type, `trainer.limit_val_batches=abc`; a
-    MisconfigurationException, `trainer.devices=0`; an accelerator whose package is missing, `trainer.accelerator=
-    tpu`) is a ValueError naming trainer.*, Lightning's reason and the trainer settings of the command line."""
+def instantiate_setting(node: DictConfig, setting: str, **parts: Any) -> Any:
+    """The object config `node` (cfg.<setting>: the trainer, a logger, a callback) describes, with the run's
+    `parts`. Where Lightning refuses its settings with other than a ValueError (a wrong type,
+    `trainer.limit_val_batches=abc`; a MisconfigurationException, `trainer.devices=0`; an accelerator whose
+    package is missing, `trainer.accelerator=tpu`), a ValueError naming `setting`, the reason and the command's
+    settings under it."""
     try:
-        return hydra.utils.instantiate(trainer_cfg, **parts)
+        return hydra.utils.instantiate(node, **parts)
     except InstantiationException as error:
         cause = error.__cause__
         if not isinstance(cause, TypeError | ImportError | MisconfigurationException):
             raise
         overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-        given = [override for override in overrides if override.startswith("trainer")]
+        given = [override for override in overrides if override.lstrip("+~").startswith(setting)]
         where = f" (the command sets {' '.join(given)})" if given else ""
         raise ValueError(
-            f"Lightning's Trainer refuses the trainer.* settings{where}: {type(cause).__name__}: {cause}"
+            f"the {setting}.* settings are refused by {node._target_}{where}: {type(cause).__name__}: {cause}"
         ) from error
 
 
@@ -290,7 +291,7 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
                     kwargs["resume"] = "allow"
                     log.info("resuming wandb run %s (from %s)", kwargs["id"], id_file)
         log.info("logger %s: %s", key, logger_cfg._target_)
-        logger = hydra.utils.instantiate(logger_cfg, **kwargs)
+        logger = instantiate_setting(logger_cfg, f"logger.{key}", **kwargs)
         if isinstance(logger, WandbLogger):
             leave_anonymous_unset(logger)
         loggers.append(logger)
@@ -330,8 +331,8 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     """The configured callbacks; a progress bar is left out under trainer.enable_progress_bar=false (Lightning
     refuses a progress-bar callback with the bar switched off)."""
     callbacks = [
-        hydra.utils.instantiate(callback_cfg)
-        for callback_cfg in (cfg.get("callbacks") or {}).values()
+        instantiate_setting(callback_cfg, f"callbacks.{key}")
+        for key, callback_cfg in (cfg.get("callbacks") or {}).items()
         if callback_cfg is not None and "_target_" in callback_cfg
     ]
     if not cfg.trainer.get("enable_progress_bar", True):

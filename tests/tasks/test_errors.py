@@ -146,22 +146,37 @@ def test_a_setting_left_to_the_command_line_and_not_given_is_one_line_naming_it(
 
 
 @pytest.mark.parametrize(
-    ("setting", "reason"),
+    ("setting", "target", "reason"),
     [
-        ("trainer.limit_val_batches=abc", "TypeError: '<=' not supported between instances of 'int' and 'str'"),
-        ("trainer.devices=0", "MisconfigurationException: `Trainer(devices=0)` value is not a valid input"),
+        (
+            "trainer.limit_val_batches=abc",
+            "lightning.pytorch.Trainer",
+            "TypeError: '<=' not supported between instances of 'int' and 'str'",
+        ),
+        (
+            "trainer.devices=0",
+            "lightning.pytorch.Trainer",
+            "MisconfigurationException: `Trainer(devices=0)` value is not a valid input",
+        ),
+        (
+            "callbacks.last_checkpoint.every_n_train_steps=abc",
+            "flowformer.lit.checkpointing.LastCheckpoint",
+            "TypeError: '<' not supported between instances of 'str' and 'int'",
+        ),
     ],
 )
-def test_a_trainer_setting_lightning_refuses_is_one_line_naming_it(tmp_path, setting, reason):
-    """A trainer.* value of the wrong type (a word for a number), or one Lightning calls misconfigured: before, Hydra's "Error in call
-    to target 'lightning.pytorch.trainer.trainer.Trainer'" lines, with the run directory left behind. Now one
-    line with the setting the command gave and Lightning's reason, no run directory."""
+def test_a_setting_lightning_refuses_is_one_line_naming_it(tmp_path, setting, target, reason):
+    """A trainer.* or callbacks.* value of the wrong type (a word for a number), or one Lightning calls
+    misconfigured: before, Hydra's "Error in call to target 'lightning.pytorch.Trainer'" lines, with the run
+    directory left behind. Now one line with the settings the command gave and the reason, no run directory
+    (`instantiate_setting`, which builds the loggers too)."""
     checkout = fresh_checkout(tmp_path)
     result = run_py("debug=tiny", setting, cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     (line,) = error_lines(result.stderr)
+    group = setting.rsplit(".", 1)[0]
     assert line.startswith(
-        f"error (ValueError): Lightning's Trainer refuses the trainer.* settings (the command sets {setting}): {reason}"
+        f"error (ValueError): the {group}.* settings are refused by {target} (the command sets {setting}): {reason}"
     )
     assert "Error in call to target" not in result.stderr
     assert list((checkout / "logs").rglob("*")) == []
