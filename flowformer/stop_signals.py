@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 # SIGINT is Ctrl-C in a terminal, which signals every process of the job as SLURM does: it stops a run as
 # SIGTERM does (status 130), with its work saved, where Python's KeyboardInterrupt would leave training's steps
@@ -46,7 +46,7 @@ class StopSignals:
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> StopSignals:
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._note)
         StopSignals.entered.append(self)
