@@ -52,6 +52,7 @@ from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
+from flowformer.overrides import whole_number
 from flowformer.stop_signals import deferred_stop, stopping_at_once, worker_ignores_stop_signals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
@@ -147,7 +148,7 @@ def evaluate_set(
 
 def pairs_to_evaluate(dataset: Dataset, name: str, max_samples: int | None) -> int:
     """How many pairs of `dataset` to evaluate: all, or the first eval.max_samples."""
-    if max_samples is not None and int(max_samples) < 1:
+    if max_samples is not None and whole_number(max_samples, "eval.max_samples") < 1:
         raise ValueError(
             f"eval.max_samples={max_samples}: expected a positive number of pairs per set, or null for every pair"
         )

@@ -99,6 +99,8 @@ def test_a_set_with_nothing_to_score_or_a_non_finite_flow_is_an_error_naming_it(
     flow = Protocol(kind="flow", iters=2)
     with pytest.raises(ValueError, match=r"eval.max_samples=-1: expected a positive number"):
         evaluate_set(RecordingNet((0.0, 0.0)), data, flow, name="synthetic", device=CPU, max_samples=-1)
+    with pytest.raises(ValueError, match=r"eval.max_samples=1.5: expected a whole number"):
+        evaluate_set(RecordingNet((0.0, 0.0)), data, flow, name="synthetic", device=CPU, max_samples=1.5)
     no_valid_pixel = ConstantFlowSet([(20, 30), (20, 30)], valid_rows=0)
     with pytest.raises(NothingScoredError, match="eval set kitti: no pixel was scored .* in its 2 pairs"):
         evaluate_set(RecordingNet((0.0, 0.0)), no_valid_pixel, Protocol(kind="kitti", iters=2), name="kitti",
