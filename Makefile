@@ -1,11 +1,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the interpreter the virtual environment is made from (pyproject.toml's requires-python: 3.10 or newer)
+PYTHON ?= python3
 
 .PHONY: install demo test lint bench-gpu gpu-wheels gpu-rehearsal
 
+# A venv without pip (`python3 -m venv` stopped half-way: on Debian and Ubuntu without the python3-venv package)
+# is made again from scratch, once that package is installed, instead of failing with "No module named pip".
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

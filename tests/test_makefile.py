@@ -1,0 +1,56 @@
+"""The README's set-up commands (`make demo`, `make test`) make the virtual environment they install into: the
+Makefile's recipe, run by make with stand-ins for the interpreters (a real install takes minutes and gigabytes;
+`make install` itself ran once by hand on a venv without pip, docs/reliability.md)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from helpers.configs import REPO_DIR
+
+# A stand-in interpreter: logs its arguments; `-m pip --version` fails where the venv has no pip (NO_PIP beside it).
+STAND_IN = """#!/bin/sh
+echo "$(basename "$0") $*" >> "{log}"
+if [ "$1 $2 $3" = "-m pip --version" ] && [ -e "$(dirname "$0")/NO_PIP" ]; then exit 1; fi
+if [ "$1 $2 $3" = "-m venv --clear" ]; then
+    rm -rf "$4" && mkdir -p "$4/bin" && cp "$0" "$4/bin/python"
+fi
+"""
+
+
+def stand_in(path: Path, log: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(STAND_IN.format(log=log))
+    path.chmod(0o755)
+    return path
+
+
+def make_install(tmp_path: Path, *, venv_has_pip: bool) -> list[str]:
+    """`make install PYTHON=<stand-in>` in a folder with the Makefile, pyproject.toml and a .venv whose python
+    has pip or not; the interpreters' calls, in order."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO_DIR / name, tmp_path / name)
+    log = tmp_path / "calls.log"
+    python3 = stand_in(tmp_path / "system" / "python3", log)
+    stand_in(tmp_path / ".venv" / "bin" / "python", log)
+    if not venv_has_pip:
+        (tmp_path / ".venv" / "bin" / "NO_PIP").touch()
+    subprocess.run(["make", "install", f"PYTHON={python3}"], cwd=tmp_path, check=True, capture_output=True)
+    assert (tmp_path / ".venv" / ".installed").is_file()
+    return log.read_text().splitlines()
+
+
+def test_a_venv_without_pip_is_made_again_before_the_install(tmp_path):
+    """`python3 -m venv` stopped half-way (Debian and Ubuntu without python3-venv) leaves a venv with a python
+    and no pip; the next `make demo` failed with "No module named pip" until the folder was deleted by hand."""
+    assert make_install(tmp_path, venv_has_pip=False) == [
+        "python -m pip --version",
+        "python3 -m venv --clear .venv",
+        'python -m pip install -q -e .[dev]',
+    ]
+
+
+def test_a_whole_venv_is_installed_into_as_it_is(tmp_path):
+    assert make_install(tmp_path, venv_has_pip=True) == ["python -m pip --version", "python -m pip install -q -e .[dev]"]
