@@ -213,6 +213,9 @@ def _unwrap(obj: dict, path: str | Path) -> tuple[dict[str, Tensor], str, Mappin
 # keys listed of each kind of mismatch: a network of other backbone settings differs in hundreds (a tiny checkpoint
 # in the official-size network: 486 lines), and the settings line after the lists says what to change
 MISMATCH_KEYS_LISTED = 10
+# the one weight that tells the published variants apart: FlowFormer's bias-free 1x1 convolution on the features
+# before the cost volume, which FlowFormer++ has not (`channel_convertor` of build.py's VARIANTS)
+VARIANT_KEY = "memory_encoder.channel_convertor.weight"
 
 
 def check_compatible(
@@ -245,8 +248,21 @@ def check_compatible(
             + block("unexpected keys", unexpected)
             + block("shape mismatches", mismatched)
             + "\nCheck backbone.variant and the architecture knobs, or pass skip_prefixes for parts you re-initialise."
+            + variant_hint(missing, unexpected)
         )
     return skipped
+
+
+def variant_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A line naming the variant a checkpoint's weights are, where they lack (missing) or hold (unexpected) the
+    one weight only FlowFormer has (VARIANT_KEY); '' otherwise."""
+    if VARIANT_KEY not in missing and VARIANT_KEY not in unexpected:
+        return ""
+    variant, name = ("flowformer_pp", "FlowFormer++") if VARIANT_KEY in missing else ("flowformer", "FlowFormer")
+    return (
+        f"\nThe checkpoint {'has no' if VARIANT_KEY in missing else 'has'} {VARIANT_KEY}, which only FlowFormer "
+        f"has: {name}'s weights? Set backbone.variant={variant} (the published {name}: backbone={variant})."
+    )
 
 
 def _as_network_dtypes(net: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:

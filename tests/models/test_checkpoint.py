@@ -158,10 +158,22 @@ def test_a_mismatch_of_many_keys_lists_the_first_of_each_kind_and_counts_them(tm
     assert lines[-1].startswith("The checkpoint's network was built with other backbone settings:")
 
 
-def test_load_official_refuses_the_other_variant(tmp_path: Path) -> None:
+def test_load_official_refuses_the_other_variant_and_names_the_files_variant(tmp_path: Path) -> None:
+    """A released FlowFormer file loaded as FlowFormer++ (or the reverse, `task=convert` without
+    `backbone=flowformer_pp`): the error ends naming the variant the file's weights are."""
     path = official_file(tmp_path, build_backbone(variant="flowformer"))
-    with pytest.raises(CheckpointMismatchError, match="channel_convertor"):
+    with pytest.raises(CheckpointMismatchError, match="channel_convertor") as err:
         load_official(path, variant="flowformer_pp", **tiny_kwargs())
+    assert str(err.value).endswith(
+        "The checkpoint has memory_encoder.channel_convertor.weight, which only FlowFormer has: FlowFormer's "
+        "weights? Set backbone.variant=flowformer (the published FlowFormer: backbone=flowformer)."
+    )
+    (tmp_path / "pp").mkdir()
+    plus_plus = official_file(tmp_path / "pp", build_backbone(variant="flowformer_pp"))
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_official(plus_plus, variant="flowformer", **tiny_kwargs())
+    assert str(err.value).endswith("FlowFormer++'s weights? Set backbone.variant=flowformer_pp (the published "
+                                   "FlowFormer++: backbone=flowformer_pp).")
     net = load_official(path, variant="flowformer", **tiny_kwargs())
     assert not net.training and all(p.device.type == "cpu" for p in net.state_dict().values())
 
