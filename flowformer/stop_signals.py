@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, ClassVar
 
+from typing_extensions import Self  # typing's is Python 3.11's
+
 # SIGINT is Ctrl-C in a terminal, which signals every process of the job as SLURM does: it stops a run as
 # SIGTERM does (status 130), with its work saved, where Python's KeyboardInterrupt would leave training's steps
 # since its last periodic last.ckpt unsaved
@@ -46,7 +48,7 @@ class StopSignals:
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
 
-    def __enter__(self) -> StopSignals:
+    def __enter__(self) -> Self:
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._note)
         StopSignals.entered.append(self)

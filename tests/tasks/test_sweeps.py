@@ -33,7 +33,9 @@ def test_failed_jobs_are_recorded_and_the_sweep_goes_on(tmp_path):
     assert [record["job"] for record in records] == [0, 1]
     for record, lr in zip(records, ("-1", "-2"), strict=True):
         assert f"model.optimizer.lr={lr}" in record["overrides"]
-        assert record["error"] == f"error (ValueError): Invalid learning rate: {lr}"
+        assert record["error"] == (
+            f"error (ValueError): model.optimizer (torch.optim.AdamW) refuses its settings: Invalid learning rate: {lr}"
+        )
         assert record["dir"] is None  # failed before producing anything: no directory left behind
     summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("error: 2 job(s) of this sweep failed: #0 (") and "failed_jobs.jsonl" in summary
