@@ -12,6 +12,7 @@ job failed or a sweep ends, so the tasks that never train (report, convert, eval
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,26 @@ class FailedJobsReport(Callback):
                 file=sys.stderr,
             )
             raise SystemExit(1)
+
+
+class SlurmLauncherCheck(Callback):
+    """Before a multirun's jobs: Hydra's submitit SLURM launcher (`hydra/launcher=submitit_slurm`, a table's rows
+    as cluster jobs) submits each job to SLURM, whose commands must be on this machine (submitit looks for
+    `srun`). Where they are not (a workstation), one line saying where to run the command and what runs the jobs
+    here instead, status 1, before any job or folder; submitit's own refusal was a traceback, with the sweep
+    directory left behind."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        launcher = str(config.hydra.launcher.get("_target_", ""))
+        if not launcher.endswith(".SlurmLauncher") or shutil.which("srun") is not None:
+            return
+        print(
+            "error: hydra/launcher=submitit_slurm submits each job to SLURM, but SLURM's commands are not on this "
+            "machine (no srun on PATH): run the command on the cluster's login node, or run the jobs here with "
+            "hydra/launcher=submitit_local (or without a launcher setting, one after another)",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
 
 
 class TableResumeCheck(Callback):

@@ -7,6 +7,7 @@ step for the next; a table's pipeline.resume names its sweep directory; a pipeli
 is requeued and its requeued job step finishes it. Two gloo processes on the CPU stand for two GPUs."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import REPO_DIR
 from helpers.protocols import checkout_with_protocol, record
-from helpers.run import free_port, run_job_step, run_py, srun_task, stub_scontrol
+from helpers.run import free_port, fresh_checkout, run_job_step, run_py, srun_task, stub_scontrol
 
 # DDP on the CPU (gloo), as tests/tasks/test_ddp.py runs it; helpers.faults importable in every process.
 GLOO = ("trainer.accelerator=cpu", "trainer.precision=32-true", "data.batch_size=1")
@@ -248,6 +249,25 @@ def test_ctrl_c_to_a_pipeline_under_torchrun_stops_it_saved_and_its_line_continu
     assert again.returncode == 0, output[-6000:]
     done = record(run_dir)
     assert done["status"] == "done" and torch.load(last, weights_only=True)["global_step"] == 6
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="what a machine without SLURM answers")
+def test_a_table_sent_to_slurm_from_a_machine_without_it_is_one_line_before_any_folder(tmp_path):
+    """docs/cluster.md's table command with `hydra/launcher=submitit_slurm`, typed on a workstation: submitit's
+    traceback ('Could not detect "srun"') with the sweep directory left behind, before. Now one line saying
+    where to run it and what runs the rows here, status 1, nothing written."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(
+        "-m", "task=pipeline", "protocol=smoke", "sweep=paper_pe", "hydra/launcher=submitit_slurm",
+        cwd=checkout, expect_ok=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=submitit_slurm submits each job to SLURM, but SLURM's commands are not on this "
+        "machine (no srun on PATH): run the command on the cluster's login node, or run the jobs here with "
+        "hydra/launcher=submitit_local (or without a launcher setting, one after another)"
+    )
+    assert list((checkout / "logs").rglob("*")) == []
 
 
 def test_a_table_through_hydras_submitit_launcher_runs_each_row_as_a_job(tmp_path):
