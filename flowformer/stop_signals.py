@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -147,7 +148,8 @@ forked_children = ForkedChildren()
 
 def worker_ignores_stop_signals(worker_id: int) -> None:
     """A DataLoader's worker_init_fn (or part of one): a worker forked to ignore the stop signals
-    (:data:`forked_children`) ignores them again, except its parent's SIGTERM, which ends it quietly.
+    (:data:`forked_children`) ignores them again, except its parent's SIGTERM, which ends it quietly; every
+    worker drops the connection errors of a training process that stopped (`quiet_when_the_reader_is_gone`).
 
     Torch's worker loop installs its own SIGTERM handler after the fork: it ends the worker quietly on its
     parent's SIGTERM (multiprocessing terminates the daemon workers of a process that exits without shutting
@@ -155,6 +157,7 @@ def worker_ignores_stop_signals(worker_id: int) -> None:
     another task's killed the workers, and the training process failed on a dead worker before it could save.
     Here SIGTERM is blocked in the worker and taken by a thread of its own, which ends the worker when the
     parent sent it and drops it otherwise."""
+    quiet_when_the_reader_is_gone()
     if not forked_children.ignore_stop_signals:
         return
     for signum in STOP_SIGNALS:
@@ -163,6 +166,20 @@ def worker_ignores_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not ignored: an ignored signal is dropped before it is waited for
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # in every thread the worker starts from now on
     threading.Thread(target=_end_on_parents_sigterm, args=(os.getppid(),), daemon=True).start()
+
+
+def quiet_when_the_reader_is_gone() -> None:
+    """In a DataLoader worker: a connection reset or broken by the training process is dropped, not printed. The
+    thread of multiprocessing's resource sharer that hands a batch's shared memory to the training process
+    reports it through sys.excepthook (a "ConnectionResetError: [Errno 104]" traceback) when that process stopped
+    while it took the batch (Ctrl-C, a stop signal); the worker ends with it. Other errors reach the hook."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, trace: Any) -> None:
+        if not issubclass(kind, (ConnectionResetError, BrokenPipeError)):
+            previous(kind, value, trace)
+
+    sys.excepthook = hook
 
 
 def _end_on_parents_sigterm(parent: int) -> None:
