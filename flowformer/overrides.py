@@ -1,7 +1,7 @@
 """Hydra overrides: the command line's with `~` expanded (`expand_home`), their keys (`override_key`), a count
-as written there (`whole_number`: `1e5` steps), values written for the commands a pipeline runs (`path_value`, `override_value`: Hydra reads the value back unchanged),
-and the commands a line tells the user to run (`shell_override`, `command_again`: typed in a POSIX shell as
-printed, Hydra reads the same values)."""
+as written there (`whole_number`: `1e5` steps), values written for the commands a pipeline runs (`path_value`,
+`override_value`: Hydra reads the value back unchanged), and the commands a line tells the user to run
+(`shell_override`, `command_again`: typed in a POSIX shell as printed, Hydra reads the same values)."""
 
 from __future__ import annotations
 

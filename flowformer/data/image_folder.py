@@ -7,8 +7,8 @@ FlyingChairs is this kind of data (chairs over Flickr photographs).
 
 - The photographs are the image files under ``root`` (``.jpg .png``, also ``.jpeg .ppm .bmp .tif .tiff .webp``:
   IMAGE_SUFFIXES), searched recursively, each file once however many links lead to it (a link loop is not
-  followed, a warning counts what was skipped); with ``root`` null, photographs that ship inside scikit-image (:data:`SKIMAGE_PHOTOS`), so
-  nothing is downloaded.
+  followed, a warning counts what was skipped); with ``root`` null, photographs that ship inside scikit-image
+  (:data:`SKIMAGE_PHOTOS`), so nothing is downloaded.
 - ``split`` ``train`` or ``val``: the files are ordered by a hash of their path relative to the root and
   the first ``round(n * val_fraction)`` (at least 1, at most n - 1) are held out for ``val``. A file is in
   one split only, whatever the render size, so a validation scene never shows a training photograph.

@@ -256,12 +256,15 @@ def check_compatible(
 def variant_hint(missing: list[str], unexpected: list[str]) -> str:
     """A line naming the variant a checkpoint's weights are, where they lack (missing) or hold (unexpected) the
     one weight only FlowFormer has (VARIANT_KEY); '' otherwise."""
-    if VARIANT_KEY not in missing and VARIANT_KEY not in unexpected:
+    if VARIANT_KEY in missing:
+        has, variant, name = "has no", "flowformer_pp", "FlowFormer++"
+    elif VARIANT_KEY in unexpected:
+        has, variant, name = "has", "flowformer", "FlowFormer"
+    else:
         return ""
-    variant, name = ("flowformer_pp", "FlowFormer++") if VARIANT_KEY in missing else ("flowformer", "FlowFormer")
     return (
-        f"\nThe checkpoint {'has no' if VARIANT_KEY in missing else 'has'} {VARIANT_KEY}, which only FlowFormer "
-        f"has: {name}'s weights? Set backbone.variant={variant} (the published {name}: backbone={variant})."
+        f"\nThe checkpoint {has} {VARIANT_KEY}, which only FlowFormer has: {name}'s weights? Set "
+        f"backbone.variant={variant} (the published {name}: backbone={variant})."
     )
 
 

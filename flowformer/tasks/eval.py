@@ -148,11 +148,11 @@ def evaluate_set(
 
 def pairs_to_evaluate(dataset: Dataset, name: str, max_samples: int | None) -> int:
     """How many pairs of `dataset` to evaluate: all, or the first eval.max_samples."""
-    if max_samples is not None and whole_number(max_samples, "eval.max_samples") < 1:
+    if max_samples is not None and (max_samples := whole_number(max_samples, "eval.max_samples")) < 1:
         raise ValueError(
             f"eval.max_samples={max_samples}: expected a positive number of pairs per set, or null for every pair"
         )
-    count = len(dataset) if max_samples is None else min(len(dataset), int(max_samples))
+    count = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     if count == 0:
         raise ValueError(f"eval set {name} is empty; check its dataset root and split")
     return count

@@ -38,7 +38,7 @@ from flowformer.lit.checkpointing import (
 )
 from flowformer.lit.data_wait import DataWait
 from flowformer.models.output_files import atomic_write_text
-from flowformer.overrides import whole_number
+from flowformer.overrides import override_key, whole_number
 from flowformer.tasks.preemption import Preemption
 from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
 from flowformer.tasks.runtime import log_parameter_counts, parameter_counts
@@ -107,7 +107,7 @@ def instantiate_setting(node: DictConfig, setting: str, **parts: Any) -> Any:
         if not isinstance(cause, TypeError | ImportError | MisconfigurationException):
             raise
         overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-        given = [override for override in overrides if override.lstrip("+~").startswith(setting)]
+        given = [o for o in overrides if f"{override_key(o)}.".startswith(f"{setting}.")]
         where = f" (the command sets {' '.join(given)})" if given else ""
         raise ValueError(
             f"the {setting}.* settings are refused by {node._target_}{where}: {type(cause).__name__}: {cause}"
