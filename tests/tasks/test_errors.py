@@ -16,6 +16,7 @@ from helpers.trees import H, W, kitti_tree
 
 pytestmark = pytest.mark.slow
 
+
 def corrupt_kitti_tree(root: Path) -> Path:
     """Two KITTI-2015 pairs whose flow PNGs are 8-bit RGB (a common download mistake)."""
     kitti_tree(root)
@@ -109,7 +110,10 @@ def test_missing_root_is_printed_once_and_leaves_no_run_directory(tmp_path):
                 "the CPU with trainer=cpu"
             ),
         ),
-        (["task=bench", "bench=gpu"], f"bench.device=cuda asks for CUDA, but {NO_GPU_HERE}; use bench.device=cpu"),
+        (
+            ["task=bench", "bench=gpu"],
+            f"bench.device=cuda asks for CUDA, but {NO_GPU_HERE}; use bench.device=cpu",
+        ),
     ],
     ids=["trainer=gpu", "make bench-gpu"],
 )
@@ -145,40 +149,53 @@ def test_a_setting_left_to_the_command_line_and_not_given_is_one_line_naming_it(
     assert not list((checkout / "logs").rglob("*.log"))
 
 
+def test_a_setting_lightning_refuses_is_one_line_naming_it(tmp_path):
+    """A trainer.* value Lightning calls misconfigured: before, Hydra's "Error in call to target
+    'lightning.pytorch.Trainer'" lines, with the run directory left behind. Now one line with the settings the
+    command gave and the reason, no run directory (`instantiate_setting`, which builds the loggers and callbacks
+    too)."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("debug=tiny", "trainer.devices=0", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = error_lines(result.stderr)
+    assert line.startswith(
+        "error (ValueError): the trainer.* settings are refused by lightning.pytorch.Trainer (the command sets "
+        "trainer.devices=0): MisconfigurationException: `Trainer(devices=0)` value is not a valid input"
+    )
+    assert "Error in call to target" not in result.stderr
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 @pytest.mark.parametrize(
-    ("setting", "target", "reason"),
+    ("settings", "expected"),
     [
         (
-            "trainer.limit_val_batches=abc",
-            "lightning.pytorch.Trainer",
-            "TypeError: '<=' not supported between instances of 'int' and 'str'",
+            ["trainer.max_epochs=abc", "trainer.log_every_n_steps=abc", "trainer.benchmark=maybe"],
+            (
+                "trainer.max_epochs='abc' (lightning.pytorch.Trainer takes a whole number or null); "
+                "trainer.log_every_n_steps='abc' (lightning.pytorch.Trainer takes a whole number or null); "
+                "trainer.benchmark='maybe' (lightning.pytorch.Trainer takes true or false or null): "
+                "set them to such a value"
+            ),
         ),
         (
-            "trainer.devices=0",
-            "lightning.pytorch.Trainer",
-            "MisconfigurationException: `Trainer(devices=0)` value is not a valid input",
-        ),
-        (
-            "callbacks.last_checkpoint.every_n_train_steps=abc",
-            "flowformer.lit.checkpointing.LastCheckpoint",
-            "TypeError: '<' not supported between instances of 'str' and 'int'",
+            ["callbacks.last_checkpoint.every_n_train_steps=abc"],
+            (
+                "callbacks.last_checkpoint.every_n_train_steps='abc' (flowformer.lit.checkpointing.LastCheckpoint "
+                "takes a whole number): set it to such a value"
+            ),
         ),
     ],
 )
-def test_a_setting_lightning_refuses_is_one_line_naming_it(tmp_path, setting, target, reason):
-    """A trainer.* or callbacks.* value of the wrong type (a word for a number), or one Lightning calls
-    misconfigured: before, Hydra's "Error in call to target 'lightning.pytorch.Trainer'" lines, with the run
-    directory left behind. Now one line with the settings the command gave and the reason, no run directory
-    (`instantiate_setting`, which builds the loggers too)."""
+def test_a_word_given_for_a_number_is_one_line_naming_each_such_setting(tmp_path, settings, expected):
+    """Before, `trainer.max_epochs=abc` failed inside fit with a bare AssertionError, `log_every_n_steps=abc` and
+    `benchmark=maybe` with tracebacks (a comparison of str and int; cudnn's "expects a bool"), the run directory
+    left behind; `every_n_train_steps=abc` named no setting. Each value is now checked against the type its
+    class annotates (`check_setting_types`), before any run directory."""
     checkout = fresh_checkout(tmp_path)
-    result = run_py("debug=tiny", setting, cwd=checkout, expect_ok=False)
+    result = run_py("debug=tiny", *settings, cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    (line,) = error_lines(result.stderr)
-    group = setting.rsplit(".", 1)[0]
-    assert line.startswith(
-        f"error (ValueError): the {group}.* settings are refused by {target} (the command sets {setting}): {reason}"
-    )
-    assert "Error in call to target" not in result.stderr
+    assert error_lines(result.stderr) == [f"error (ValueError): {expected}"]
     assert list((checkout / "logs").rglob("*")) == []
 
 
@@ -186,10 +203,18 @@ def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
     logs = tmp_path / "logs"
-    result = run_py("debug=tiny", "data.train.size=[60,90]", "trainer.max_steps=1", f"paths.log_dir={logs}",
-                    expect_ok=False)
+    result = run_py(
+        "debug=tiny",
+        "data.train.size=[60,90]",
+        "trainer.max_steps=1",
+        f"paths.log_dir={logs}",
+        expect_ok=False,
+    )
     assert result.returncode == 1
-    assert len(error_lines(result.stderr)) == 1 and "training pairs are 60x90, not a multiple of 8" in result.stderr
+    assert (
+        len(error_lines(result.stderr)) == 1
+        and "training pairs are 60x90, not a multiple of 8" in result.stderr
+    )
     assert "data.train.size" in result.stderr
     assert "Traceback" not in result.stderr
     assert list(logs.rglob("*")) == []

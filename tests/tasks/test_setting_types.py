@@ -1,0 +1,94 @@
+"""The trainer, logger and callback settings checked against the types the installed Lightning (and our own
+callbacks) annotate: what the shipped configs give passes unchanged, a word given for a number is refused naming
+each setting, and a count written as a float is counted."""
+
+import itertools
+
+import pytest
+from omegaconf import OmegaConf
+
+from flowformer.tasks.run_setup import instantiate_setting
+from flowformer.tasks.setting_types import check_setting_types
+
+from helpers.compose import compose_run_config
+from helpers.configs import CONF_DIR
+
+EXPERIMENTS = sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yaml"))
+TRAINERS = sorted(path.stem for path in (CONF_DIR / "trainer").glob("*.yaml"))
+GIVEN_BY_THE_CODE = ("logger", "callbacks", "plugins")
+
+
+def built_nodes(cfg):
+    """(setting, node) of everything prepare_run builds from the config: the trainer, callbacks, loggers."""
+    yield "trainer", cfg.trainer
+    for group in ("callbacks", "logger"):
+        for key, node in (cfg.get(group) or {}).items():
+            if node is not None and "_target_" in node:
+                yield f"{group}.{key}", node
+
+
+@pytest.mark.parametrize(("experiment", "trainer"), list(itertools.product(EXPERIMENTS, TRAINERS)))
+def test_every_shipped_setting_has_the_type_its_class_annotates(experiment, trainer):
+    """If Lightning changes an annotation so that a shipped value no longer fits, this fails here rather than
+    refusing a user's run."""
+    cfg = compose_run_config([f"experiment={experiment}", f"trainer={trainer}", "logger=many"])
+    for setting, node in built_nodes(cfg):
+        before = OmegaConf.to_yaml(node)
+        check_setting_types(node, setting, given_elsewhere=GIVEN_BY_THE_CODE)
+        assert OmegaConf.to_yaml(node) == before, setting
+
+
+def trainer_node(**settings):
+    return OmegaConf.create({"_target_": "lightning.pytorch.Trainer", **settings})
+
+
+def test_each_value_of_the_wrong_type_is_named_with_what_it_takes():
+    node = trainer_node(
+        max_epochs="abc", precision=17, devices=[0, "x"], limit_val_batches=0.5, accelerator="cpu"
+    )
+    with pytest.raises(ValueError) as refusal:
+        check_setting_types(node, "trainer")
+    assert str(refusal.value).startswith(
+        "trainer.max_epochs='abc' (lightning.pytorch.Trainer takes a whole number or null); "
+        "trainer.precision=17 (lightning.pytorch.Trainer takes 64, 32, 16, "
+    )
+    assert "'bf16-mixed'" in str(refusal.value)
+    assert str(refusal.value).endswith(
+        "trainer.devices=[0, 'x'] (lightning.pytorch.Trainer takes a list (each a whole number), a string or a "
+        "whole number): set them to such a value"
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("benchmark", "maybe"), ("benchmark", 1), ("max_steps", True), ("accumulate_grad_batches", 2.5)],
+)
+def test_values_that_only_look_like_the_type_are_refused(setting, value):
+    """1 is no bool for cudnn's benchmark, true no step count, 2.5 no whole number of batches."""
+    with pytest.raises(ValueError, match=f"^trainer.{setting}="):
+        check_setting_types(trainer_node(**{setting: value}), "trainer")
+
+
+def test_a_count_written_as_a_float_is_counted_and_a_number_where_a_string_fits_is_that_string(tmp_path):
+    """`trainer.max_epochs=1e3` (Hydra reads 1000.0; Lightning asserts an int) trains 1000 epochs; a CSV logger
+    name written as a number (`logger.csv.name=2026`) is its folder's name; a fraction stays a fraction."""
+    trainer = instantiate_setting(
+        trainer_node(
+            max_epochs=1e3, limit_val_batches=0.5, enable_progress_bar=False, enable_model_summary=False
+        ),
+        "trainer",
+        logger=False,
+    )
+    assert trainer.max_epochs == 1000 and isinstance(trainer.max_epochs, int)
+    assert trainer.limit_val_batches == 0.5
+    logger = instantiate_setting(
+        OmegaConf.create(
+            {
+                "_target_": "flowformer.lit.metrics_csv.SafeCSVLogger",
+                "save_dir": str(tmp_path),
+                "name": 2026,
+            }
+        ),
+        "logger.csv",
+    )
+    assert logger.name == "2026" and logger.log_dir.startswith(str(tmp_path / "2026"))
