@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections.abc
 import inspect
+import sys
 import types
 import typing
 from pathlib import Path
@@ -30,16 +31,13 @@ SEQUENCE_ORIGINS = (list, tuple, collections.abc.Iterable, collections.abc.Seque
 
 def annotated_types(target: type) -> dict[str, Any]:
     """The annotation of each parameter `target(...)` takes: its own `__init__`'s, then, for the parameters it
-    passes on through `**kwargs`, its base classes'. Annotations that do not resolve are left out."""
+    passes on through `**kwargs`, its base classes'."""
     hints: dict[str, Any] = {}
     for cls in inspect.getmro(target):
         init = cls.__dict__.get("__init__")
         if init is None:
             continue
-        try:
-            own = typing.get_type_hints(init)
-        except (NameError, TypeError):
-            own = {}
+        own = resolved_annotations(init)
         parameters = inspect.signature(init).parameters
         for name in parameters:
             if name in own and name not in hints:
@@ -48,6 +46,23 @@ def annotated_types(target: type) -> dict[str, Any]:
             break
     hints.pop("return", None)
     return hints
+
+
+def resolved_annotations(function: Any) -> dict[str, Any]:
+    """`function`'s parameter annotations as types, each resolved on its own: one that names a type imported
+    only for type checkers (WandbLogger's `Artifact`) is left out, and the others still count."""
+    try:
+        return typing.get_type_hints(function)
+    except (NameError, AttributeError, TypeError):
+        pass
+    namespace = vars(sys.modules[function.__module__])
+    resolved = {}
+    for name, annotation in function.__annotations__.items():
+        try:
+            resolved[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+        except (NameError, AttributeError, TypeError, SyntaxError):
+            continue
+    return resolved
 
 
 def fits(value: Any, hint: Any) -> bool:

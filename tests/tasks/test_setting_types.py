@@ -70,8 +70,9 @@ def test_values_that_only_look_like_the_type_are_refused(setting, value):
 
 
 def test_a_count_written_as_a_float_is_counted_and_a_number_where_a_string_fits_is_that_string(tmp_path):
-    """`trainer.max_epochs=1e3` (Hydra reads 1000.0; Lightning asserts an int) trains 1000 epochs; a CSV logger
-    name written as a number (`logger.csv.name=2026`) is its folder's name; a fraction stays a fraction."""
+    """`trainer.max_epochs=1e3` (Hydra reads 1000.0; Lightning asserts an int) trains 1000 epochs; a wandb
+    project written as a number (`logger.wandb.project=2026`) is that name, though one of WandbLogger's annotations
+    names a type only type checkers import; a fraction stays a fraction."""
     trainer = instantiate_setting(
         trainer_node(
             max_epochs=1e3, limit_val_batches=0.5, enable_progress_bar=False, enable_model_summary=False
@@ -84,11 +85,12 @@ def test_a_count_written_as_a_float_is_counted_and_a_number_where_a_string_fits_
     logger = instantiate_setting(
         OmegaConf.create(
             {
-                "_target_": "flowformer.lit.metrics_csv.SafeCSVLogger",
+                "_target_": "lightning.pytorch.loggers.WandbLogger",
+                "project": 2026,
                 "save_dir": str(tmp_path),
-                "name": 2026,
+                "offline": True,
             }
         ),
-        "logger.csv",
+        "logger.wandb",
     )
-    assert logger.name == "2026" and logger.log_dir.startswith(str(tmp_path / "2026"))
+    assert logger._wandb_init["project"] == "2026"
