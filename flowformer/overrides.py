@@ -1,7 +1,7 @@
-"""Hydra overrides: the command line's with `~` expanded (`expand_home`), their keys (`override_key`), a count
-as written there (`whole_number`: `1e5` steps), values written for the commands a pipeline runs (`path_value`,
-`override_value`: Hydra reads the value back unchanged), and the commands a line tells the user to run
-(`shell_override`, `command_again`: typed in a POSIX shell as printed, Hydra reads the same values)."""
+"""Hydra overrides: the command line's with `~` expanded (`expand_home`), their keys (`override_key`), values
+written for the commands a pipeline runs (`path_value`, `override_value`: Hydra reads the value back unchanged),
+and the commands a line tells the user to run (`shell_override`, `command_again`: typed in a POSIX shell as
+printed, Hydra reads the same values)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,6 @@ def expand_home(arguments: list[str]) -> list[str]:
         argument if argument.startswith("-") else HOME_PREFIX.sub(lambda home: os.path.expanduser(home[0]), argument)
         for argument in arguments
     ]
-
-
-def whole_number(value: Any, setting: str) -> int:
-    """A setting that counts (steps, pairs) as an int: Hydra reads `trainer.max_steps=1e5` as the float 100000.0,
-    which counts 100000; anything else that is not a whole number (`10k`, `2.5`, `true`) is a ValueError naming
-    `setting`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise ValueError(f"{setting}={value!r}: expected a whole number")
 
 
 def override_key(override: str) -> str:

@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from flowformer.overrides import command_again, expand_home, shell_override, whole_number
+from flowformer.overrides import command_again, expand_home, shell_override
+from flowformer.setting_types import whole_number
 
 from helpers.configs import CONF_DIR
 from helpers.run import fresh_checkout, run_py

@@ -12,7 +12,8 @@ A knob keeps its name down to the module that uses it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import typing
+from dataclasses import asdict, dataclass, fields, replace
 
 from torch import nn
 
@@ -28,6 +29,7 @@ from flowformer.models.encoders import (
 )
 from flowformer.models.flowformer import FlowFormer
 from flowformer.models.raft_decoder import MultiLevelCostDecoder
+from flowformer.setting_types import typed_values
 
 # backbone.cost_encoder -> its class; a new cost encoder (a whole replacement) subclasses `CostEncoder` or
 # `CostPerceiverEncoder` and is added here. The AGT layer's own options are knobs (intra_layer, inter_layer, ...).
@@ -151,6 +153,10 @@ class BackboneConfig:
     decoder_gma: bool = True  # GMA's global motion aggregation in the update block (official `gma`)
 
     def __post_init__(self) -> None:
+        knobs = {knob.name: getattr(self, knob.name) for knob in fields(self)}
+        hints = typing.get_type_hints(BackboneConfig)
+        for knob, value in typed_values(knobs, hints, "backbone", "the backbone").items():
+            object.__setattr__(self, knob, value)  # `backbone.agt_depth=2e0`: Hydra's float for the count meant
         self._take_agt_knobs()
         self._check_decoder_knobs()
         object.__setattr__(self, "cnn_widths", tuple(self.cnn_widths))  # Hydra passes a ListConfig
@@ -244,17 +250,12 @@ class BackboneConfig:
         for knob, kinds in (("intra_layer", INTRA_LAYERS), ("inter_layer", INTER_LAYERS)):
             if getattr(self, knob) not in kinds:
                 raise ValueError(f"backbone.{knob} must be one of {kinds}, got {getattr(self, knob)!r}")
-        for knob in ("token_pe", "agt_pe"):
-            if not isinstance(getattr(self, knob), bool):  # a setting: a ValueError is reported in one line
-                raise ValueError(f"backbone.{knob} must be true or false, got {getattr(self, knob)!r}")  # noqa: TRY004
 
     def _check_decoder_knobs(self) -> None:
         """backbone.decoder and backbone.decoder_gma; mcr has no cost encoder, so its knobs that would build or
         run one are refused (agt_depth must say 0 AGT layers; the others are left unused)."""
         if self.decoder not in DECODERS:
             raise ValueError(f"backbone.decoder must be one of {DECODERS}, got {self.decoder!r}")
-        if not isinstance(self.decoder_gma, bool):  # a setting: a ValueError is reported in one line
-            raise ValueError(f"backbone.decoder_gma must be true or false, got {self.decoder_gma!r}")  # noqa: TRY004
         if self.decoder != "mcr":
             return
         if self.agt_depth != 0:

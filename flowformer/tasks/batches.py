@@ -13,7 +13,7 @@ import logging
 
 from omegaconf import DictConfig, ListConfig
 
-from flowformer.overrides import whole_number
+from flowformer.setting_types import whole_number
 
 log = logging.getLogger(__name__)
 

@@ -73,6 +73,7 @@ from flowformer.device_settings import device_memory_settings, optimizer_device_
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
+from flowformer.setting_types import check_setting_types
 from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals
 from flowformer.tasks.runtime import (
     InferenceContext,
@@ -114,6 +115,7 @@ def build_step(
 
         if not issubclass(hydra.utils.get_class(cfg.model._target_), MCVAPretrainModule):
             raise ValueError("bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)")
+        check_setting_types(cfg.model, "model", given_elsewhere=("backbone",))
         backbone = device_memory_settings(cfg.model.backbone, device, training=True)
         module = hydra.utils.instantiate(cfg.model, backbone=backbone).to(device).train()
         net = module.backbone

@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
@@ -39,6 +38,7 @@ from flowformer.data.datamodules import FlowDataModule, PretrainDataModule
 from flowformer.data.sampling import ResumableSampler
 from flowformer.models.output_files import atomic_write_text
 from flowformer.stop_signals import deferred_stop, stopping_at_once
+from flowformer.tasks.run_setup import instantiate_setting
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def loader_rate(loader: DataLoader, warmup: int, repeats: int) -> dict[str, floa
 def measure_loader(cfg: DictConfig) -> dict[str, Any]:
     """The row of bench.md for cfg.data (module docstring)."""
     bench = cfg.bench
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = instantiate_setting(cfg.data, "data")
     if not isinstance(datamodule, (FlowDataModule, PretrainDataModule)) or datamodule.train_set is None:
         raise ValueError(
             f"bench.mode=data measures a training loader: data={cfg.data._target_} has no data.train"

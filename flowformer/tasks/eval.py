@@ -52,7 +52,7 @@ from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
-from flowformer.overrides import whole_number
+from flowformer.setting_types import whole_number
 from flowformer.stop_signals import deferred_stop, stopping_at_once, worker_ignores_stop_signals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (

@@ -38,11 +38,11 @@ from flowformer.lit.checkpointing import (
 )
 from flowformer.lit.data_wait import DataWait
 from flowformer.models.output_files import atomic_write_text
-from flowformer.overrides import override_key, whole_number
+from flowformer.overrides import override_key
+from flowformer.setting_types import check_setting_types, whole_number
 from flowformer.tasks.preemption import Preemption
 from flowformer.tasks.run_dirs import claim_dir, ensure_writable_dir, joins_existing_run, run_owner
 from flowformer.tasks.runtime import log_parameter_counts, parameter_counts
-from flowformer.tasks.setting_types import check_setting_types
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowformer.device_settings import TrainingStep, device_memory_settings, training_device
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
+from flowformer.setting_types import check_setting_types
 from flowformer.tasks.batches import per_process_batch, set_per_process_batch
 from flowformer.tasks.pipeline_plan import training_crop
 from flowformer.tasks.preemption import (
@@ -19,7 +20,7 @@ from flowformer.tasks.preemption import (
     resume_requeued_job,
     stopped_training,
 )
-from flowformer.tasks.run_setup import PreparedRun, prepare_run, seed_run
+from flowformer.tasks.run_setup import PreparedRun, instantiate_setting, prepare_run, seed_run
 from flowformer.tasks.runtime import compile_network
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def fit(cfg: DictConfig) -> tuple[float | None, L.Trainer]:
     set_per_process_batch(cfg)
     seed_run(cfg.seed)
     resume_requeued_job(cfg)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = instantiate_setting(cfg.data, "data")
     model = build_model(cfg)
     run = prepare_run(cfg, datamodule, model)
     record_for_requeue(cfg)
@@ -48,6 +49,7 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
     """The LightningModule of cfg.model, its backbone's memory settings chosen for the training device and
     compiled as `runtime` says. A resumed run (ckpt_path) loads neither model.init_from nor the ImageNet Twins
     weights: the checkpoint holds the weights."""
+    check_setting_types(cfg.model, "model", given_elsewhere=("backbone",))  # the network checks its own knobs
     overrides = {}
     if cfg.get("ckpt_path") and cfg.model.get("init_from"):
         log.info(

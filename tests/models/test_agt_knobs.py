@@ -205,8 +205,13 @@ def test_the_retired_cost_encoder_mixer_builds_and_loads_the_mlp_mixer_network(t
     [
         ({"intra_layer": "attention"}, r"backbone.intra_layer must be one of \('transformer', 'mlp', 'none'\)"),
         ({"inter_layer": "conv"}, r"backbone.inter_layer must be one of \('transformer', 'convnext', 'none'\)"),
-        ({"token_pe": "no"}, "backbone.token_pe must be true or false, got 'no'"),
-        ({"agt_pe": 0}, "backbone.agt_pe must be true or false, got 0"),
+        ({"token_pe": "no"}, r"^backbone.token_pe='no' \(the backbone takes true or false\): set it to such a"),
+        ({"agt_pe": 0}, r"^backbone.agt_pe=0 \(the backbone takes true or false\)"),
+        (
+            {"agt_depth": "abc", "latent_dim": 1.5},
+            (r"^backbone.latent_dim=1.5 \(the backbone takes a whole number\); "
+            r"backbone.agt_depth='abc' \(the backbone takes a whole number\): set them"),
+        ),
     ],
 )
 def test_bad_knob_values_are_refused_in_one_line(knobs: dict, message: str) -> None:

@@ -206,7 +206,7 @@ def test_mcr_composes_with_the_memory_options():
     ("knobs", "message"),
     [
         ({"decoder": "raft"}, r"backbone.decoder must be one of \('cmd', 'mcr'\), got 'raft'"),
-        ({"decoder_gma": "yes"}, "backbone.decoder_gma must be true or false, got 'yes'"),
+        ({"decoder_gma": "yes"}, r"^backbone.decoder_gma='yes' \(the backbone takes true or false\)"),
         ({"decoder": "mcr"}, r"takes no AGT layers: set backbone.agt_depth=0 \(got 1\)"),
         ({**MCR, "decoder_dim": 16}, r"backbone.feature_dim \(64\) must be 2 x backbone.decoder_dim \(16\)"),
         ({**MCR, "activation_checkpoint": ["tokenize"]}, r"\['tokenize'\]: backbone.decoder=mcr has no cost encoder"),

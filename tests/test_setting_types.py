@@ -7,19 +7,22 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
+from flowformer.setting_types import check_setting_types
 from flowformer.tasks.run_setup import instantiate_setting
-from flowformer.tasks.setting_types import check_setting_types
 
 from helpers.compose import compose_run_config
 from helpers.configs import CONF_DIR
 
 EXPERIMENTS = sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yaml"))
 TRAINERS = sorted(path.stem for path in (CONF_DIR / "trainer").glob("*.yaml"))
-GIVEN_BY_THE_CODE = ("logger", "callbacks", "plugins")
+GIVEN_BY_THE_CODE = ("logger", "callbacks", "plugins", "backbone")
 
 
 def built_nodes(cfg):
-    """(setting, node) of everything prepare_run builds from the config: the trainer, callbacks, loggers."""
+    """(setting, node) of everything a training run builds from the config: the data, the model (its backbone
+    is the network's, `BackboneConfig`), the trainer, callbacks, loggers."""
+    yield "data", cfg.data
+    yield "model", cfg.model
     yield "trainer", cfg.trainer
     for group in ("callbacks", "logger"):
         for key, node in (cfg.get(group) or {}).items():
@@ -31,11 +34,30 @@ def built_nodes(cfg):
 def test_every_shipped_setting_has_the_type_its_class_annotates(experiment, trainer):
     """If Lightning changes an annotation so that a shipped value no longer fits, this fails here rather than
     refusing a user's run."""
-    cfg = compose_run_config([f"experiment={experiment}", f"trainer={trainer}", "logger=many"])
+    # data.batch_size: the batch of a process, which a training run sets first (from the experiment's global one)
+    cfg = compose_run_config([f"experiment={experiment}", f"trainer={trainer}", "logger=many", "data.batch_size=2"])
     for setting, node in built_nodes(cfg):
         before = OmegaConf.to_yaml(node)
         check_setting_types(node, setting, given_elsewhere=GIVEN_BY_THE_CODE)
         assert OmegaConf.to_yaml(node) == before, setting
+
+
+@pytest.mark.parametrize("data", sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml")))
+def test_every_shipped_data_config_has_the_types_its_data_module_annotates(data):
+    cfg = compose_run_config([f"data={data}", "data.batch_size=8"])
+    before = OmegaConf.to_yaml(cfg.data)
+    check_setting_types(cfg.data, "data")
+    assert OmegaConf.to_yaml(cfg.data) == before
+
+
+def test_a_model_setting_of_the_wrong_type_names_the_lightning_module():
+    cfg = compose_run_config(["experiment=mcva_pretrain", "model.mask_ratio=high", "model.masking=blocks"])
+    with pytest.raises(ValueError) as refusal:
+        check_setting_types(cfg.model, "model", given_elsewhere=("backbone",))
+    assert str(refusal.value) == (
+        "model.masking='blocks' (flowformer.lit.mcva.MCVAPretrainModule takes 'block' or 'random'); "
+        "model.mask_ratio='high' (flowformer.lit.mcva.MCVAPretrainModule takes a number): set them to such a value"
+    )
 
 
 def trainer_node(**settings):

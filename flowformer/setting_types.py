@@ -1,0 +1,174 @@
+"""Settings checked against the types their code annotates, before anything is built from them: a word given
+for a number (`trainer.max_epochs=abc`, `model.gamma=abc`, `backbone.agt_depth=abc`) otherwise reaches the code,
+which fails deep inside (Lightning's `fit` with a bare assertion, a comparison of str and int) with a traceback.
+The trainer, loggers, callbacks and the LightningModule are checked against their classes' `__init__`
+(`check_setting_types`; for Lightning's, the annotations of the installed version, so the check follows its
+signature as it changes), the backbone knobs against `BackboneConfig`'s fields. Where an annotation names a class
+a config value cannot be (an Accelerator, a timedelta), it judges nothing."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+PLAIN_KINDS = {
+    bool: "true or false",
+    int: "a whole number",
+    float: "a number",
+    str: "a string",
+    type(None): "null",
+}
+SEQUENCE_ORIGINS = (list, tuple, Iterable, Sequence)
+
+
+def whole_number(value: Any, setting: str) -> int:
+    """A setting that counts (steps, pairs) as an int: Hydra reads `trainer.max_steps=1e5` as the float 100000.0,
+    which counts 100000; anything else that is not a whole number (`10k`, `2.5`, `true`) is a ValueError naming
+    `setting`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(f"{setting}={value!r}: expected a whole number")
+
+
+def annotated_types(target: type) -> dict[str, Any]:
+    """The annotation of each parameter `target(...)` takes: its own `__init__`'s, then, for the parameters it
+    passes on through `**kwargs`, its base classes'."""
+    hints: dict[str, Any] = {}
+    for cls in inspect.getmro(target):
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        own = resolved_annotations(init)
+        parameters = inspect.signature(init).parameters
+        for name in parameters:
+            if name in own and name not in hints:
+                hints[name] = own[name]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            break
+    hints.pop("return", None)
+    return hints
+
+
+def resolved_annotations(function: Any) -> dict[str, Any]:
+    """`function`'s parameter annotations as types, each resolved on its own: one that names a type imported
+    only for type checkers (WandbLogger's `Artifact`) is left out, and the others still count."""
+    try:
+        return typing.get_type_hints(function)
+    except (NameError, AttributeError, TypeError):
+        pass
+    namespace = vars(sys.modules[function.__module__])
+    resolved = {}
+    for name, annotation in function.__annotations__.items():
+        try:
+            resolved[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+        except (NameError, AttributeError, TypeError, SyntaxError):
+            continue
+    return resolved
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether the config value (None, bool, number, string, list, mapping) can be `hint`; True for a hint
+    it cannot judge (a class other than the plain ones and Path) and for a node Hydra builds (`_target_`)."""
+    if isinstance(value, Mapping) and "_target_" in value:
+        return True
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(fits(value, arg) for arg in args)
+    if origin is Literal:
+        return any(type(value) is type(arg) and value == arg for arg in args)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint in (str, Path):
+        return isinstance(value, str)
+    if hint is type(None):
+        return value is None
+    if origin in SEQUENCE_ORIGINS:
+        sequence = isinstance(value, Sequence) and not isinstance(value, str)  # a list, a tuple, a ListConfig
+        return sequence and (not args or all(fits(item, args[0]) for item in value))
+    if origin in (dict, Mapping):
+        return isinstance(value, Mapping) and (not args or all(fits(item, args[1]) for item in value.values()))
+    return True
+
+
+def described(hint: Any) -> str:
+    """`hint` in the words of a config file: `Optional[int]` is "a whole number or null"."""
+    words = list(dict.fromkeys(kinds(hint)))
+    if "a number" in words and "a whole number" in words:
+        words.remove("a whole number")
+    return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
+
+
+def kinds(hint: Any) -> list[str]:
+    """Each kind of value `hint` takes, in a config file's words: the members of a Union, the values of a
+    Literal."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return [word for arg in args for word in kinds(arg)]
+    if origin is Literal:
+        return [repr(arg) for arg in args]
+    if hint in PLAIN_KINDS:
+        return [PLAIN_KINDS[hint]]
+    if hint is Path:
+        return ["a path"]
+    if origin in SEQUENCE_ORIGINS:
+        return [f"a list (each {described(args[0])})" if args else "a list"]
+    if origin in (dict, Mapping):
+        return ["a mapping"]
+    return [getattr(hint, "__name__", str(hint))]
+
+
+def typed_values(
+    values: Mapping[str, Any], hints: Mapping[str, Any], setting: str, target: str
+) -> dict[str, Any]:
+    """The values (plain: None, bool, number, string, list, dict) of the settings `<setting>.<key>` that
+    `target` takes, checked against its annotations `hints`. Two of a wrong type are what the command meant and
+    are returned as that (the dict of those changed): a whole number Hydra read as a float (`1e3`) where only a
+    whole number fits, and a number where only a string fits (`logger.wandb.project=2026`). Anything else is one
+    ValueError listing every such `<setting>.<key>=<value>` with what `target` takes."""
+    meant, refused = {}, []
+    for key, value in values.items():
+        if key not in hints or fits(value, hints[key]):
+            continue
+        if isinstance(value, float) and value.is_integer() and fits(int(value), hints[key]):
+            meant[key] = whole_number(value, f"{setting}.{key}")
+        elif isinstance(value, int | float) and not isinstance(value, bool) and fits(str(value), hints[key]):
+            meant[key] = str(value)
+        else:
+            refused.append(f"{setting}.{key}={value!r} ({target} takes {described(hints[key])})")
+    if refused:
+        raise ValueError(f"{'; '.join(refused)}: set {'them' if len(refused) > 1 else 'it'} to such a value")
+    return meant
+
+
+def check_setting_types(node: DictConfig, setting: str, given_elsewhere: Iterable[str] = ()) -> None:
+    """`typed_values` of the config `node` (cfg.<setting>, whose `_target_` is the class built from it), with
+    what the command meant written back into `node`. Keys in `given_elsewhere` (passed to the class by the code)
+    and Hydra's own (`_target_`) are not read. (Hydra and OmegaConf are imported here, so that the network's
+    module, which checks its knobs with `typed_values`, does not import them.)"""
+    import hydra
+    from omegaconf import OmegaConf
+
+    values = {
+        key: OmegaConf.to_container(node[key], resolve=True) if OmegaConf.is_config(node[key]) else node[key]
+        for key in node
+        if not key.startswith("_") and key not in given_elsewhere and not OmegaConf.is_missing(node, key)
+    }
+    hints = annotated_types(hydra.utils.get_class(node._target_))
+    for key, value in typed_values(values, hints, setting, node._target_).items():
+        node[key] = value
