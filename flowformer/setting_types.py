@@ -172,3 +172,31 @@ def check_setting_types(node: DictConfig, setting: str, given_elsewhere: Iterabl
     hints = annotated_types(hydra.utils.get_class(node._target_))
     for key, value in typed_values(values, hints, setting, node._target_).items():
         node[key] = value
+
+
+def check_against_shipped(overridden: Iterable[str], cfg: DictConfig, shipped: DictConfig) -> None:
+    """Each setting the command set (`overridden`: keys such as `eval.tile`) in a plain config node (none above it
+    is built from a `_target_`, whose class `check_setting_types` checks) whose shipped value (`shipped`: the
+    config the command's config choices compose to, without its settings) is true/false or a number: a word
+    there (`eval.tile=maybe`, which Python would read as true; `infer.video_fps=abc`) is one ValueError listing
+    each such setting with its shipped value. Other shipped values (strings, lists, null) judge nothing."""
+    from omegaconf import OmegaConf
+
+    refused = []
+    for key in overridden:
+        parts = key.split(".")
+        if any(OmegaConf.select(cfg, ".".join([*parts[:end], "_target_"])) for end in range(len(parts))):
+            continue
+        default = OmegaConf.select(shipped, key, throw_on_resolution_failure=False)
+        value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        if isinstance(default, bool):
+            wanted, kind = bool, PLAIN_KINDS[bool]
+        elif isinstance(default, int | float):
+            wanted, kind = float, PLAIN_KINDS[float]
+        else:
+            continue
+        if not fits(value, wanted):
+            shown = str(default).lower() if isinstance(default, bool) else default  # as a config file writes it
+            refused.append(f"{key}={value!r} (takes {kind}, as its shipped value {shown})")
+    if refused:
+        raise ValueError(f"{'; '.join(refused)}: set {'them' if len(refused) > 1 else 'it'} to such a value")

@@ -21,11 +21,14 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from flowformer.models.output_files import OutputWriteError
+from flowformer.overrides import override_key
+from flowformer.setting_types import check_against_shipped
 from flowformer.stop_signals import StoppedBySignal
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 from flowformer.tasks.runtime import configure_runtime
@@ -89,6 +92,7 @@ def run_task(cfg: DictConfig) -> float | None:
             # Hydra already logs to the console and run.log; Lightning's own console handler would repeat each line
             logging.getLogger("lightning").handlers.clear()
         silence_misleading_warnings()
+        check_command_settings(cfg)
         configure_runtime(cfg.runtime)
         return module.run(cfg)
     except StoppedBySignal as stop:  # the work so far is saved; the status says it did not finish (a sweep ends)
@@ -109,6 +113,31 @@ def run_task(cfg: DictConfig) -> float | None:
         raise SystemExit(1) from None
     finally:
         close_loggers()
+
+
+def check_command_settings(cfg: DictConfig) -> None:
+    """The command's settings of plain config nodes (eval.*, infer.*, bench.*, runtime.*, ...) whose shipped value
+    is true/false or a number, checked against it (`check_against_shipped`): the shipped config is composed
+    again from the command's config choices (`experiment=`, `eval=synthetic`, `debug=tiny`) alone, only where the
+    command sets such a node's value."""
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+    groups = set(hydra_cfg.runtime.choices)
+    settings = [override_key(o) for o in overrides if is_setting(o, groups) and not o.startswith("~")]
+    if not settings:
+        return
+    choices = [o for o in overrides if not is_setting(o, groups)]
+    shipped = compose(config_name=hydra_cfg.job.config_name, overrides=choices)
+    check_against_shipped(settings, cfg, shipped)
+
+
+def is_setting(override: str, groups: set[str]) -> bool:
+    """Whether an override sets a value (`eval.tile=true`, `seed=7`) rather than choosing a config of one of
+    the `groups` (`eval=synthetic`, `model/optimizer=sgd`, `backbone@x.y=tiny`)."""
+    key = override_key(override)
+    return key not in groups and "/" not in key and "@" not in key and not key.startswith("hydra.")
 
 
 def task_module(task: object) -> ModuleType:
