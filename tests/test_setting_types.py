@@ -7,7 +7,7 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
-from flowformer.setting_types import check_setting_types
+from flowformer.setting_types import check_against_shipped, check_setting_types
 from flowformer.tasks.run_setup import instantiate_setting
 
 from helpers.compose import compose_run_config
@@ -116,3 +116,28 @@ def test_a_count_written_as_a_float_is_counted_and_a_number_where_a_string_fits_
         "logger.wandb",
     )
     assert logger._wandb_init["project"] == "2026"
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "refusal"),
+    [
+        ("eval.tile", "maybe", "eval.tile='maybe' (takes true or false, as its shipped value false)"),
+        ("infer.video_fps", "abc", "infer.video_fps='abc' (takes a number, as its shipped value 24)"),
+        ("runtime.compile", 1, "runtime.compile=1 (takes true or false, as its shipped value false)"),
+        ("seed", "abc", "seed='abc' (takes a number, as its shipped value 1234)"),
+        ("infer.video_fps", 29.97, None),  # a number of another kind than the shipped 24
+        ("eval.device", 3, None),  # shipped as a word (auto): nothing to judge by
+        ("eval.max_samples", "abc", None),  # shipped null: eval reads it (`whole_number`)
+        ("trainer.devices", "auto", None),  # a node built from a `_target_`: its class's annotations judge
+    ],
+)
+def test_a_plain_setting_takes_the_kind_of_its_shipped_value(setting, value, refusal):
+    shipped = compose_run_config([])
+    cfg = compose_run_config([])
+    OmegaConf.update(cfg, setting, value)
+    if refusal is None:
+        check_against_shipped([setting], cfg, shipped)
+        return
+    with pytest.raises(ValueError) as refused:
+        check_against_shipped([setting], cfg, shipped)
+    assert str(refused.value) == f"{refusal}: set it to such a value"

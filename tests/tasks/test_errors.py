@@ -179,6 +179,11 @@ def test_a_setting_lightning_refuses_is_one_line_naming_it(tmp_path):
             ),
         ),
         (
+            ["task=eval", "eval=synthetic", "eval.tile=maybe", "eval.num_workers=abc"],
+            ("eval.tile='maybe' (takes true or false, as its shipped value false); eval.num_workers='abc' (takes a "
+            "number, as its shipped value 0): set them to such a value"),
+        ),
+        (
             ["model.gamma=abc"],
             "model.gamma='abc' (flowformer.lit.flow.FlowModule takes a number): set it to such a value",
         ),
@@ -194,8 +199,10 @@ def test_a_setting_lightning_refuses_is_one_line_naming_it(tmp_path):
 def test_a_word_given_for_a_number_is_one_line_naming_each_such_setting(tmp_path, settings, expected):
     """Before, `trainer.max_epochs=abc` failed inside fit with a bare AssertionError, `log_every_n_steps=abc` and
     `benchmark=maybe` with tracebacks (a comparison of str and int; cudnn's "expects a bool"), the run directory
-    left behind, and so did `model.gamma=abc`; `every_n_train_steps=abc` named no setting. Each value is now
-    checked against the type its class annotates (`check_setting_types`), before any run directory."""
+    left behind, and so did `model.gamma=abc` and `eval.num_workers=abc`; `every_n_train_steps=abc` named no
+    setting; `eval.tile=maybe` evaluated tiled (Python reads any word as true). Each value is now checked against
+    the type its class annotates (`check_setting_types`), or, in a node built from no class, against the kind of
+    its shipped value (`check_against_shipped`), before any run directory."""
     checkout = fresh_checkout(tmp_path)
     result = run_py("debug=tiny", *settings, cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
