@@ -149,7 +149,9 @@ def checked_resume(
 
 
 def seed_run(seed: int) -> None:
-    """Lightning's seed_everything (DataLoader workers too); a seed outside its range names `seed`."""
+    """Lightning's seed_everything (DataLoader workers too); a seed that is no whole number (`2.5`, which Lightning
+    would truncate to 2) or outside its range names `seed`."""
+    seed = whole_number(seed, "seed")
     try:
         L.seed_everything(seed, workers=True)
     except ValueError as error:

@@ -33,9 +33,11 @@ def test_flow_module_settings_are_checked_when_it_is_built(setting, value, messa
         FlowModule(backbone=backbone_config(), **flow_settings(**{setting: value}))
 
 
-def test_a_seed_out_of_range_names_seed():
+def test_a_seed_out_of_range_or_not_whole_names_seed():
     with pytest.raises(ValueError, match=r"^seed=-1: .*not in bounds"):
         seed_run(-1)
+    with pytest.raises(ValueError, match=r"^seed=2.5: expected a whole number$"):
+        seed_run(2.5)
 
 
 @pytest.mark.parametrize("interval", [0, -2, 0.0])
