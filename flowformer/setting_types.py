@@ -1,10 +1,12 @@
-"""Settings checked against the types their code annotates, before anything is built from them: a word given
-for a number (`trainer.max_epochs=abc`, `model.gamma=abc`, `backbone.agt_depth=abc`) otherwise reaches the code,
-which fails deep inside (Lightning's `fit` with a bare assertion, a comparison of str and int) with a traceback.
-The trainer, loggers, callbacks and the LightningModule are checked against their classes' `__init__`
-(`check_setting_types`; for Lightning's, the annotations of the installed version, so the check follows its
-signature as it changes), the backbone knobs against `BackboneConfig`'s fields. Where an annotation names a class
-a config value cannot be (an Accelerator, a timedelta), it judges nothing."""
+"""Settings checked for their kind of value before anything is built from them: a word given for a number or
+for true/false (`trainer.max_epochs=abc`, `model.gamma=abc`, `backbone.agt_depth=abc`, `eval.tile=maybe`)
+otherwise reaches the code, which fails deep inside (Lightning's `fit` with a bare assertion, a comparison of
+str and int) with a traceback, or reads any word as true. The trainer, loggers, callbacks, data and the
+LightningModule are checked against their classes' `__init__` (`check_setting_types`; for Lightning's, the
+annotations of the installed version, so the check follows its signature as it changes), the backbone knobs
+against `BackboneConfig`'s fields (`typed_values`), and the settings of nodes built from no class (eval.*,
+infer.*, bench.*, runtime.*, seed) against the kind of their shipped values (`check_against_shipped`). Where an
+annotation names a class a config value cannot be (an Accelerator, a timedelta), it judges nothing."""
 
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ def resolved_annotations(function: Any) -> dict[str, Any]:
     resolved = {}
     for name, annotation in function.__annotations__.items():
         try:
+            # as typing.get_type_hints evaluates each, in the namespace of the function's module
             resolved[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
         except (NameError, AttributeError, TypeError, SyntaxError):
             continue
@@ -151,8 +154,7 @@ def typed_values(
             meant[key] = str(value)
         else:
             refused.append(f"{setting}.{key}={value!r} ({target} takes {described(hints[key])})")
-    if refused:
-        raise ValueError(f"{'; '.join(refused)}: set {'them' if len(refused) > 1 else 'it'} to such a value")
+    refuse(refused)
     return meant
 
 
@@ -198,5 +200,10 @@ def check_against_shipped(overridden: Iterable[str], cfg: DictConfig, shipped: D
         if not fits(value, wanted):
             shown = str(default).lower() if isinstance(default, bool) else default  # as a config file writes it
             refused.append(f"{key}={value!r} (takes {kind}, as its shipped value {shown})")
+    refuse(refused)
+
+
+def refuse(refused: list[str]) -> None:
+    """One ValueError for every setting of the wrong kind (each `<key>=<value> (takes ...)`), if any."""
     if refused:
         raise ValueError(f"{'; '.join(refused)}: set {'them' if len(refused) > 1 else 'it'} to such a value")
