@@ -23,8 +23,9 @@ from types import ModuleType
 
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from flowformer.models.output_files import OutputWriteError
 from flowformer.overrides import override_key
@@ -129,7 +130,11 @@ def check_command_settings(cfg: DictConfig) -> None:
     if not settings:
         return
     choices = [o for o in overrides if not is_setting(o, groups)]
-    shipped = compose(config_name=hydra_cfg.job.config_name, overrides=choices)
+    try:
+        shipped = compose(config_name=hydra_cfg.job.config_name, overrides=choices)
+    except (HydraException, OmegaConfBaseException) as error:  # a config that needs the command's settings
+        log.debug("the shipped settings are not checked: the config choices alone do not compose (%s)", error)
+        return
     check_against_shipped(settings, cfg, shipped)
 
 
