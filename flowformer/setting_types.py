@@ -176,19 +176,25 @@ def check_setting_types(node: DictConfig, setting: str, given_elsewhere: Iterabl
         node[key] = value
 
 
+def in_plain_node(cfg: DictConfig, key: str) -> bool:
+    """Whether no node above `key` (`eval.tile`, `trainer.max_steps`) is built from a `_target_`, whose class
+    `check_setting_types` checks."""
+    from omegaconf import OmegaConf
+
+    parts = key.split(".")
+    return not any(OmegaConf.select(cfg, ".".join([*parts[:end], "_target_"])) for end in range(len(parts)))
+
+
 def check_against_shipped(overridden: Iterable[str], cfg: DictConfig, shipped: DictConfig) -> None:
-    """Each setting the command set (`overridden`: keys such as `eval.tile`) in a plain config node (none above it
-    is built from a `_target_`, whose class `check_setting_types` checks) whose shipped value (`shipped`: the
-    config the command's config choices compose to, without its settings) is true/false or a number: a word
-    there (`eval.tile=maybe`, which Python would read as true; `infer.video_fps=abc`) is one ValueError listing
-    each such setting with its shipped value. Other shipped values (strings, lists, null) judge nothing."""
+    """Each setting the command set (`overridden`: keys such as `eval.tile`, each `in_plain_node`) whose shipped
+    value (`shipped`: the config the command's config choices compose to, without its settings) is true/false
+    or a number: a word there (`eval.tile=maybe`, which Python would read as true; `infer.video_fps=abc`) is one
+    ValueError listing each such setting with its shipped value. Other shipped values (strings, lists, null)
+    judge nothing."""
     from omegaconf import OmegaConf
 
     refused = []
     for key in overridden:
-        parts = key.split(".")
-        if any(OmegaConf.select(cfg, ".".join([*parts[:end], "_target_"])) for end in range(len(parts))):
-            continue
         default = OmegaConf.select(shipped, key, throw_on_resolution_failure=False)
         value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
         if isinstance(default, bool):

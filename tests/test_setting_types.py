@@ -7,7 +7,7 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
-from flowformer.setting_types import check_against_shipped, check_setting_types
+from flowformer.setting_types import check_against_shipped, check_setting_types, in_plain_node
 from flowformer.tasks.run_setup import instantiate_setting
 
 from helpers.compose import compose_run_config
@@ -128,7 +128,6 @@ def test_a_count_written_as_a_float_is_counted_and_a_number_where_a_string_fits_
         ("infer.video_fps", 29.97, None),  # a number of another kind than the shipped 24
         ("eval.device", 3, None),  # shipped as a word (auto): nothing to judge by
         ("eval.max_samples", "abc", None),  # shipped null: eval reads it (`whole_number`)
-        ("trainer.devices", "auto", None),  # a node built from a `_target_`: its class's annotations judge
     ],
 )
 def test_a_plain_setting_takes_the_kind_of_its_shipped_value(setting, value, refusal):
@@ -141,3 +140,11 @@ def test_a_plain_setting_takes_the_kind_of_its_shipped_value(setting, value, ref
     with pytest.raises(ValueError) as refused:
         check_against_shipped([setting], cfg, shipped)
     assert str(refused.value) == f"{refusal}: set it to such a value"
+
+
+def test_only_settings_of_nodes_built_from_no_class_are_judged_by_their_shipped_value():
+    """`trainer.devices=auto` (shipped 1) is Lightning's to judge, by its annotation; `eval.tile` is nobody's."""
+    cfg = compose_run_config(["debug=tiny"])
+    built = ["trainer.devices", "model.gamma", "data.train.num_samples", "callbacks.last_checkpoint.dirpath"]
+    plain = ["eval.tile", "seed", "paths.log_dir", "runtime.compile", "infer.video_fps"]
+    assert [key for key in built + plain if in_plain_node(cfg, key)] == plain

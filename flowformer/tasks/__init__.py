@@ -29,7 +29,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from flowformer.models.output_files import OutputWriteError
 from flowformer.overrides import override_key
-from flowformer.setting_types import check_against_shipped
+from flowformer.setting_types import check_against_shipped, in_plain_node
 from flowformer.stop_signals import StoppedBySignal
 from flowformer.tasks.run_dirs import joins_existing_run, remove_if_unused
 from flowformer.tasks.runtime import configure_runtime
@@ -117,16 +117,20 @@ def run_task(cfg: DictConfig) -> float | None:
 
 
 def check_command_settings(cfg: DictConfig) -> None:
-    """The command's settings of plain config nodes (eval.*, infer.*, bench.*, runtime.*, ...) whose shipped value
-    is true/false or a number, checked against it (`check_against_shipped`): the shipped config is composed
-    again from the command's config choices (`experiment=`, `eval=synthetic`, `debug=tiny`) alone, only where the
-    command sets such a node's value."""
+    """The command's settings of plain config nodes (eval.*, infer.*, bench.*, runtime.*, seed, ...) whose
+    shipped value is true/false or a number, checked against it (`check_against_shipped`): the shipped config is
+    composed again from the command's config choices (`experiment=`, `eval=synthetic`, `debug=tiny`) alone (0.3
+    to 0.7 s), only where the command sets a value in such a node (`~key` deletes one: nothing to check)."""
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     groups = set(hydra_cfg.runtime.choices)
-    settings = [override_key(o) for o in overrides if is_setting(o, groups) and not o.startswith("~")]
+    settings = [
+        override_key(o)
+        for o in overrides
+        if is_setting(o, groups) and not o.startswith("~") and in_plain_node(cfg, override_key(o))
+    ]
     if not settings:
         return
     choices = [o for o in overrides if not is_setting(o, groups)]
