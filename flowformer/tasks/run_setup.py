@@ -47,9 +47,7 @@ from flowformer.tasks.runtime import log_parameter_counts, parameter_counts
 log = logging.getLogger(__name__)
 
 WANDB_ID_FILE = "wandb_run_id.txt"
-WANDB_RUN_ID = re.compile(
-    r"[A-Za-z0-9_-]{1,64}"
-)  # what wandb makes (8 letters and digits) or takes as logger.*.id
+WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what wandb makes (8 letters and digits) or takes as logger.*.id
 RECORDED_PACKAGES = (
     "torch",
     "lightning",
@@ -78,9 +76,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
     resume, Preemption for the stop signals, and DataWait, how long each step waited for its data); the loggers
     get the whole config, and a wandb run's id is stored beside the checkpoints."""
-    if (
-        cfg.trainer.get("max_steps") is not None
-    ):  # 1e5 on the command line: the whole number Lightning counts to
+    if cfg.trainer.get("max_steps") is not None:  # 1e5 on the command line: the whole number Lightning counts to
         cfg.trainer.max_steps = whole_number(cfg.trainer.max_steps, "trainer.max_steps")
     check_validation_interval(cfg.trainer.get("val_check_interval"))
     output_dir = check_output_dirs(cfg)
@@ -91,11 +87,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg), RandomStates(), Preemption(), DataWait()]
     trainer = instantiate_setting(
-        cfg.trainer,
-        "trainer",
-        logger=loggers or False,
-        callbacks=callbacks,
-        plugins=[SafeCheckpointIO(resume)],
+        cfg.trainer, "trainer", logger=loggers or False, callbacks=callbacks, plugins=[SafeCheckpointIO(resume)]
     )
     start_wandb_runs(loggers)
     log_config(loggers, cfg)
@@ -171,9 +163,7 @@ def check_output_dirs(cfg: DictConfig) -> Path:
     """Creates the run directory (paths.output_dir) and every configured checkpoint directory, proving each
     writable, and claims each checkpoint directory for this run (it must be empty, or already this run's: the
     run directory itself); returns the run directory."""
-    output_dir = ensure_writable_dir(
-        cfg.paths.output_dir, "the run directory (hydra.run.dir / paths.output_dir)"
-    )
+    output_dir = ensure_writable_dir(cfg.paths.output_dir, "the run directory (hydra.run.dir / paths.output_dir)")
     owner = run_owner(output_dir)
     for setting, directory in checkpoint_dirs(cfg).items():
         ensure_writable_dir(directory, f"the checkpoint directory ({setting})")
@@ -271,11 +261,7 @@ def set_monitor(cfg: DictConfig, datamodule: Any) -> str:
     with open_dict(cfg):
         cfg.monitor = monitor
         checkpoint_cfg = (cfg.get("callbacks") or {}).get("model_checkpoint")
-        if (
-            monitor.startswith("train/")
-            and checkpoint_cfg is not None
-            and not checkpoint_cfg.every_n_train_steps
-        ):
+        if monitor.startswith("train/") and checkpoint_cfg is not None and not checkpoint_cfg.every_n_train_steps:
             interval = cfg.trainer.get("val_check_interval")
             checkpoint_cfg.every_n_train_steps = interval if isinstance(interval, int) else 1000
     log.info("monitored metric: %s (%s)", monitor, cfg.monitor_mode)

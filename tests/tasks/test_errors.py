@@ -16,7 +16,6 @@ from helpers.trees import H, W, kitti_tree
 
 pytestmark = pytest.mark.slow
 
-
 def corrupt_kitti_tree(root: Path) -> Path:
     """Two KITTI-2015 pairs whose flow PNGs are 8-bit RGB (a common download mistake)."""
     kitti_tree(root)
@@ -110,10 +109,7 @@ def test_missing_root_is_printed_once_and_leaves_no_run_directory(tmp_path):
                 "the CPU with trainer=cpu"
             ),
         ),
-        (
-            ["task=bench", "bench=gpu"],
-            f"bench.device=cuda asks for CUDA, but {NO_GPU_HERE}; use bench.device=cpu",
-        ),
+        (["task=bench", "bench=gpu"], f"bench.device=cuda asks for CUDA, but {NO_GPU_HERE}; use bench.device=cpu"),
     ],
     ids=["trainer=gpu", "make bench-gpu"],
 )
@@ -214,18 +210,10 @@ def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
     logs = tmp_path / "logs"
-    result = run_py(
-        "debug=tiny",
-        "data.train.size=[60,90]",
-        "trainer.max_steps=1",
-        f"paths.log_dir={logs}",
-        expect_ok=False,
-    )
+    result = run_py("debug=tiny", "data.train.size=[60,90]", "trainer.max_steps=1", f"paths.log_dir={logs}",
+                    expect_ok=False)
     assert result.returncode == 1
-    assert (
-        len(error_lines(result.stderr)) == 1
-        and "training pairs are 60x90, not a multiple of 8" in result.stderr
-    )
+    assert len(error_lines(result.stderr)) == 1 and "training pairs are 60x90, not a multiple of 8" in result.stderr
     assert "data.train.size" in result.stderr
     assert "Traceback" not in result.stderr
     assert list(logs.rglob("*")) == []
