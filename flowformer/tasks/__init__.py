@@ -119,8 +119,9 @@ def run_task(cfg: DictConfig) -> float | None:
 def check_command_settings(cfg: DictConfig) -> None:
     """The command's settings of plain config nodes (eval.*, infer.*, bench.*, runtime.*, seed, ...) whose
     shipped value is true/false or a number, checked against it (`check_against_shipped`): the shipped config is
-    composed again from the command's config choices (`experiment=`, `eval=synthetic`, `debug=tiny`) alone (0.3
-    to 0.7 s), only where the command sets a value in such a node (`~key` deletes one: nothing to check)."""
+    composed again from the command's config choices (`experiment=`, `eval=synthetic`, `debug=tiny`) alone (0.4
+    to 0.6 s on 2 cores: docs/performance.md), only where the command sets a value in such a node (`~key`
+    deletes one: nothing to check)."""
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
