@@ -5,8 +5,9 @@ str and int) with a traceback, or reads any word as true. The trainer, loggers, 
 LightningModule are checked against their classes' `__init__` (`check_setting_types`; for Lightning's, the
 annotations of the installed version, so the check follows its signature as it changes), the backbone knobs
 against `BackboneConfig`'s fields (`typed_values`), and the settings of nodes built from no class (eval.*,
-infer.*, bench.*, runtime.*, seed) against the kind of their shipped values (`check_against_shipped`). Where an
-annotation names a class a config value cannot be (an Accelerator, a timedelta), it judges nothing."""
+infer.*, bench.*, runtime.*, seed) against the kind of their shipped values (`check_against_shipped`; one name
+where a list is shipped is that list of one). Where an annotation names a class a config value cannot be (an
+Accelerator, a timedelta), it judges nothing."""
 
 from __future__ import annotations
 
@@ -185,18 +186,22 @@ def in_plain_node(cfg: DictConfig, key: str) -> bool:
     return not any(OmegaConf.select(cfg, ".".join([*parts[:end], "_target_"])) for end in range(len(parts)))
 
 
-def check_against_shipped(overridden: Iterable[str], cfg: DictConfig, shipped: DictConfig) -> None:
-    """Each setting the command set (`overridden`: keys such as `eval.tile`, each `in_plain_node`) whose shipped
-    value (`shipped`: the config the command's config choices compose to, without its settings) is true/false
-    or a number: a word there (`eval.tile=maybe`, which Python would read as true; `infer.video_fps=abc`) is one
-    ValueError listing each such setting with its shipped value. Other shipped values (strings, lists, null)
-    judge nothing."""
+def check_against_shipped(overridden: Iterable[str], cfg: DictConfig, shipped: DictConfig) -> dict[str, Any]:
+    """Each setting the command set (`overridden`: keys such as `eval.tile`, each `in_plain_node`) checked against
+    its shipped value (`shipped`: the config the command's config choices compose to, without its settings).
+    Where that is true/false or a number, a word (`eval.tile=maybe`, which Python would read as true;
+    `infer.video_fps=abc`) is one ValueError listing each such setting with its shipped value. Where it is a
+    list, one plain value is what the command meant as the list's one item (`eval.sets=synthetic`, which would
+    be read letter by letter): returned as {key: [value]}. Other shipped values (strings, null) judge nothing."""
     from omegaconf import OmegaConf
 
-    refused = []
+    meant, refused = {}, []
     for key in overridden:
         default = OmegaConf.select(shipped, key, throw_on_resolution_failure=False)
         value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        if OmegaConf.is_list(default) and isinstance(value, str | int | float):  # bool is an int
+            meant[key] = [value]
+            continue
         if isinstance(default, bool):
             wanted, kind = bool, PLAIN_KINDS[bool]
         elif isinstance(default, int | float):
@@ -207,6 +212,7 @@ def check_against_shipped(overridden: Iterable[str], cfg: DictConfig, shipped: D
             shown = str(default).lower() if isinstance(default, bool) else default  # as a config file writes it
             refused.append(f"{key}={value!r} (takes {kind}, as its shipped value {shown})")
     refuse(refused)
+    return meant
 
 
 def refuse(refused: list[str]) -> None:

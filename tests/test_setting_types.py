@@ -148,3 +148,14 @@ def test_only_settings_of_nodes_built_from_no_class_are_judged_by_their_shipped_
     built = ["trainer.devices", "model.gamma", "data.train.num_samples", "callbacks.last_checkpoint.dirpath"]
     plain = ["eval.tile", "seed", "paths.log_dir", "runtime.compile", "infer.video_fps"]
     assert [key for key in built + plain if in_plain_node(cfg, key)] == plain
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "meant"),
+    [("eval.sets", "synthetic", ["synthetic"]), ("eval.baselines", "zero", ["zero"]), ("tags", 2026, [2026])],
+)
+def test_one_value_where_a_list_is_shipped_is_that_list_of_one(setting, value, meant):
+    """`eval.sets=synthetic` was read letter by letter ("eval.sets names ['s', 'y', 'n', ...]")."""
+    cfg = compose_run_config([])
+    OmegaConf.update(cfg, setting, value)
+    assert check_against_shipped([setting, "eval.tile"], cfg, compose_run_config([])) == {setting: meant}

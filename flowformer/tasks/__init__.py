@@ -24,7 +24,7 @@ from types import ModuleType
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from flowformer.models.output_files import OutputWriteError
@@ -118,7 +118,8 @@ def run_task(cfg: DictConfig) -> float | None:
 
 def check_command_settings(cfg: DictConfig) -> None:
     """The command's settings of plain config nodes (eval.*, infer.*, bench.*, runtime.*, seed, ...) whose
-    shipped value is true/false or a number, checked against it (`check_against_shipped`): the shipped config is
+    shipped value is true/false, a number or a list, checked against it (`check_against_shipped`; one value where
+    a list is shipped becomes that list of one in `cfg`): the shipped config is
     composed again from the command's config choices (`experiment=`, `eval=synthetic`, `debug=tiny`) alone (0.4
     to 0.6 s on 2 cores: docs/performance.md), only where the command sets a value in such a node (`~key`
     deletes one: nothing to check)."""
@@ -140,7 +141,8 @@ def check_command_settings(cfg: DictConfig) -> None:
     except (HydraException, OmegaConfBaseException) as error:  # a config that needs the command's settings
         log.debug("the shipped settings are not checked: the config choices alone do not compose (%s)", error)
         return
-    check_against_shipped(settings, cfg, shipped)
+    for key, value in check_against_shipped(settings, cfg, shipped).items():
+        OmegaConf.update(cfg, key, value)
 
 
 def is_setting(override: str, groups: set[str]) -> bool:

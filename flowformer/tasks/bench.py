@@ -445,8 +445,12 @@ def check_settings(cfg: DictConfig) -> None:
     if bench.mode not in MODES:
         raise ValueError(f"bench.mode={bench.mode!r}: expected one of {MODES}")
     for size in bench.sizes:
-        if len(size) != 2 or size[0] % 8 or size[1] % 8:
-            raise ValueError(f"bench.sizes: each size is [height, width], both multiples of 8; got {list(size)}")
+        pair = OmegaConf.is_list(size) and len(size) == 2 and all(isinstance(side, int) for side in size)
+        if not pair or size[0] % 8 or size[1] % 8:
+            raise ValueError(
+                f"bench.sizes: each size is [height, width], both multiples of 8 (bench.sizes=[[368,496]]); got "
+                f"{OmegaConf.to_container(size) if OmegaConf.is_config(size) else size!r}"
+            )
     if cfg.runtime.compile and bench.warmup < 1:
         raise ValueError("runtime.compile=true needs bench.warmup >= 1: the first step compiles (not timed)")
 

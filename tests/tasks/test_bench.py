@@ -151,5 +151,9 @@ def test_bench_rejects_pretrain_without_mcva_and_bad_sizes(tmp_path):
     cfg = bench.row_config(config("bench.mode=pretrain"), [64, 96], None, "32-true")
     with pytest.raises(ValueError, match="model=mcva"):
         bench.build_step(cfg, torch.device("cpu"), torch.zeros(1, 3, 64, 96), torch.zeros(1, 3, 64, 96))
-    with pytest.raises(ValueError, match=r"bench.sizes: .* multiples of 8; got \[64, 90\]"):
+    example = r"\(bench.sizes=\[\[368,496\]\]\)"
+    with pytest.raises(ValueError, match=rf"bench.sizes: .* multiples of 8 {example}; got \[64, 90\]"):
         bench.run(config("bench.sizes=[[64,90]]", f"paths.output_dir={tmp_path}"))
+    for flat in ("[64,96]", "[64]"):  # one size not written as a list of sizes: a TypeError before
+        with pytest.raises(ValueError, match=r"bench.sizes: .*; got 64$"):
+            bench.run(config(f"bench.sizes={flat}", f"paths.output_dir={tmp_path}"))
