@@ -128,14 +128,11 @@ def check_command_settings(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     groups = set(hydra_cfg.runtime.choices)
-    settings = [
-        override_key(o)
-        for o in overrides
-        if is_setting(o, groups) and not o.startswith("~") and in_plain_node(cfg, override_key(o))
-    ]
+    choices = [o for o in overrides if not is_setting(o, groups)]
+    keys = [override_key(o) for o in overrides if o not in choices and not o.startswith("~")]
+    settings = [key for key in keys if in_plain_node(cfg, key)]
     if not settings:
         return
-    choices = [o for o in overrides if not is_setting(o, groups)]
     try:
         shipped = compose(config_name=hydra_cfg.job.config_name, overrides=choices)
     except (HydraException, OmegaConfBaseException) as error:  # a config that needs the command's settings
