@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 # the interpreter the virtual environment is made from (pyproject.toml's requires-python: 3.10 or newer)
 PYTHON ?= python3
 
-.PHONY: install demo test lint bench-gpu gpu-wheels gpu-rehearsal
+.PHONY: install demo test test-oldest oldest-pins lint bench-gpu gpu-wheels gpu-rehearsal
 
 # A venv without pip (`python3 -m venv` stopped half-way: on Debian and Ubuntu without the python3-venv package)
 # is made again from scratch, once that package is installed, instead of failing with "No module named pip".
@@ -29,6 +29,22 @@ TEST_THREADS ?= 1
 test: $(STAMP)
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not large_memory"; status=$$?; \
 	$(PY) -m pytest -q -m large_memory && exit $$status
+
+# The suite on the oldest releases pyproject.toml admits, each `>=` bound of its dependencies pinned with `==`, in
+# a venv of their own (OLDEST_VENV): the bounds are true while it passes (its last run: docs/performance.md).
+OLDEST_VENV ?= .venv-oldest
+
+oldest-pins:
+	@sed -n 's/^  "\([A-Za-z0-9_.-]*\)>=\([0-9.]*\)".*/\1==\2/p' pyproject.toml
+
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --clear $(OLDEST_VENV)
+	$(MAKE) -s --no-print-directory oldest-pins > $(OLDEST_VENV)/oldest.txt
+	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/oldest.txt -e ".[dev]"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(MAKE) --no-print-directory test VENV=$(OLDEST_VENV)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check flowformer tests run.py

@@ -4,6 +4,7 @@ Makefile's recipe, run by make with stand-ins for the interpreters (a real insta
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -54,3 +55,27 @@ def test_a_venv_without_pip_is_made_again_before_the_install(tmp_path):
 
 def test_a_whole_venv_is_installed_into_as_it_is(tmp_path):
     assert make_install(tmp_path, venv_has_pip=True) == ["python -m pip --version", "python -m pip install -q -e .[dev]"]
+
+
+def test_make_test_oldest_runs_the_suite_on_every_lower_bound_of_pyproject(tmp_path):
+    """`make test-oldest`: a venv of its own, pyproject.toml's dependencies installed at the bounds their `>=`
+    names (every quoted requirement of the list here, the Makefile's sed line by line there), then the suite as
+    `make test` runs it."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO_DIR / name, tmp_path / name)
+    log = tmp_path / "calls.log"
+    python3 = stand_in(tmp_path / "system" / "python3", log)
+    subprocess.run(["make", "test-oldest", f"PYTHON={python3}"], cwd=tmp_path, check=True, capture_output=True)
+    assert log.read_text().splitlines() == [
+        "python3 -m venv --clear .venv-oldest",
+        "python -m pip install -q -c .venv-oldest/oldest.txt -e .[dev]",
+        'python -m pytest -q -n 2 -m not large_memory',
+        "python -m pytest -q -m large_memory",
+    ]
+    pyproject = (REPO_DIR / "pyproject.toml").read_text()
+    listed = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.DOTALL | re.MULTILINE)[1]
+    dependencies = re.findall(r'"([^"]+)"', listed)
+    bounds = [re.fullmatch(r"([\w.-]+)>=([\d.]+)", requirement) for requirement in dependencies]
+    pins = [f"{bound[1]}=={bound[2]}" for bound in bounds if bound]
+    assert {"torch==2.6", "lightning==2.5.3"} <= set(pins)
+    assert (tmp_path / ".venv-oldest" / "oldest.txt").read_text().splitlines() == pins

@@ -47,6 +47,14 @@ BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION = 127
 # patch embedding channels-last on the CPU (cost_encoder.PatchEmbed: 2505 before): its copy and its backward's;
 # 2511 since its one-head input is a channels-last view (a view and a permute, and a permute in backward)
 TRAINING_OPERATORS_PER_STEP = 2511
+# The counts above are torch 2.14's. An older torch dispatches other operators for the same code (torch 2.6, the
+# oldest pyproject.toml admits: one more per training and bf16 iteration, 2724 a training step), so they are
+# checked on the torch they were pinned on and newer ones; a newer one that dispatches others fails: re-pin then.
+PINNED_ON_TORCH = "2.14"
+pinned_counts = pytest.mark.skipif(
+    torch.__version__ < PINNED_ON_TORCH,
+    reason=f"operator counts are pinned on torch {PINNED_ON_TORCH}; torch {torch.__version__} dispatches others",
+)
 
 
 def counts(mode: str, precision: str = "32-true") -> dict:
@@ -59,6 +67,7 @@ def counts(mode: str, precision: str = "32-true") -> dict:
     return bench.count_operators(cfg, net, step, images)
 
 
+@pinned_counts
 @pytest.mark.parametrize(
     ("mode", "per_iteration"),
     [("forward", FORWARD_OPERATORS_PER_DECODER_ITERATION), ("train", TRAINING_OPERATORS_PER_DECODER_ITERATION)],
@@ -67,12 +76,14 @@ def test_operators_per_decoder_iteration_are_pinned(mode, per_iteration):
     assert counts(mode)["operators_per_decoder_iteration"] == per_iteration
 
 
+@pinned_counts
 def test_bf16_inference_casts_each_weight_once_per_forward():
     assert counts("forward", "bf16-mixed")["operators_per_decoder_iteration"] == (
         BF16_FORWARD_OPERATORS_PER_DECODER_ITERATION
     )
 
 
+@pinned_counts
 def test_operators_per_training_step_are_pinned():
     assert counts("train")["operators_per_step"] == TRAINING_OPERATORS_PER_STEP
 
