@@ -37,8 +37,10 @@ def tiny_net() -> FlowFormer:
 def restore_matmul_precision():
     """Puts torch's fp32 precision settings (runtime.matmul_precision, flowformer/tasks/runtime.py) back."""
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    cpu_matmul = torch.backends.mkldnn.matmul.fp32_precision
+    onednn_matmul = getattr(torch.backends.mkldnn, "matmul", None)  # a newer torch's setting (torch 2.6 has none)
+    cpu_matmul = onednn_matmul and onednn_matmul.fp32_precision
     yield
     torch.set_float32_matmul_precision(matmul)
     torch.backends.cudnn.allow_tf32 = cudnn
-    torch.backends.mkldnn.matmul.fp32_precision = cpu_matmul
+    if onednn_matmul:
+        onednn_matmul.fp32_precision = cpu_matmul

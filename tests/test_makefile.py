@@ -4,6 +4,7 @@ Makefile's recipe, run by make with stand-ins for the interpreters (a real insta
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +20,11 @@ if [ "$1 $2 $3" = "-m venv --clear" ]; then
     rm -rf "$4" && mkdir -p "$4/bin" && cp "$0" "$4/bin/python"
 fi
 """
+
+
+# The environment without the variables a make running the suite passes to the makes it starts (`make test-oldest`
+# runs `make test VENV=.venv-oldest`, and its VENV would reach the make each test runs).
+OWN_MAKE = {name: value for name, value in os.environ.items() if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
 
 def stand_in(path: Path, log: Path) -> Path:
@@ -38,7 +44,7 @@ def make_install(tmp_path: Path, *, venv_has_pip: bool) -> list[str]:
     stand_in(tmp_path / ".venv" / "bin" / "python", log)
     if not venv_has_pip:
         (tmp_path / ".venv" / "bin" / "NO_PIP").touch()
-    subprocess.run(["make", "install", f"PYTHON={python3}"], cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run(["make", "install", f"PYTHON={python3}"], cwd=tmp_path, env=OWN_MAKE, check=True, capture_output=True)
     assert (tmp_path / ".venv" / ".installed").is_file()
     return log.read_text().splitlines()
 
@@ -65,7 +71,9 @@ def test_make_test_oldest_runs_the_suite_on_every_lower_bound_of_pyproject(tmp_p
         shutil.copy(REPO_DIR / name, tmp_path / name)
     log = tmp_path / "calls.log"
     python3 = stand_in(tmp_path / "system" / "python3", log)
-    subprocess.run(["make", "test-oldest", f"PYTHON={python3}"], cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run(
+        ["make", "test-oldest", f"PYTHON={python3}"], cwd=tmp_path, env=OWN_MAKE, check=True, capture_output=True
+    )
     assert log.read_text().splitlines() == [
         "python3 -m venv --clear .venv-oldest",
         "python -m pip install -q -c .venv-oldest/oldest.txt -e .[dev]",

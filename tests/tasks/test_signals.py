@@ -540,7 +540,11 @@ def test_ctrl_c_while_evals_loader_starts_its_workers_stops_once_it_has_them(tmp
         sys.unraisablehook = hook
     assert signum == signal.SIGINT and message == "stopped by SIGINT"
     assert [entry.exc_value for entry in unraisable] == []
-    assert multiprocessing.active_children() == []  # both workers were started and ended
+    # both workers were started and ended: at the teardown, or on torch 2.6 a moment after it (within 0.1 s)
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
 
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier last.ckpt", "first write"])
