@@ -34,12 +34,14 @@ test: $(STAMP)
 # a venv of their own (OLDEST_VENV): the bounds are true while it passes (its last run: docs/performance.md).
 OLDEST_VENV ?= .venv-oldest
 
+OLDEST_PINS = sed -n 's/^  "\([A-Za-z0-9_.-]*\)>=\([0-9.]*\)".*/\1==\2/p' pyproject.toml
+
 oldest-pins:
-	@sed -n 's/^  "\([A-Za-z0-9_.-]*\)>=\([0-9.]*\)".*/\1==\2/p' pyproject.toml
+	@$(OLDEST_PINS)
 
 $(OLDEST_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv --clear $(OLDEST_VENV)
-	$(MAKE) -s --no-print-directory oldest-pins > $(OLDEST_VENV)/oldest.txt
+	$(OLDEST_PINS) > $(OLDEST_VENV)/oldest.txt
 	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/oldest.txt -e ".[dev]"
 	touch $@
 

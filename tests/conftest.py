@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flowformer.models import FlowFormer
+from flowformer.tasks.runtime import ONEDNN_MATMUL
 
 from helpers.configs import backbone_config, build_backbone
 
@@ -37,10 +38,9 @@ def tiny_net() -> FlowFormer:
 def restore_matmul_precision():
     """Puts torch's fp32 precision settings (runtime.matmul_precision, flowformer/tasks/runtime.py) back."""
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    onednn_matmul = getattr(torch.backends.mkldnn, "matmul", None)  # a newer torch's setting (torch 2.6 has none)
-    cpu_matmul = onednn_matmul and onednn_matmul.fp32_precision
+    cpu_matmul = ONEDNN_MATMUL and ONEDNN_MATMUL.fp32_precision
     yield
     torch.set_float32_matmul_precision(matmul)
     torch.backends.cudnn.allow_tf32 = cudnn
-    if onednn_matmul:
-        onednn_matmul.fp32_precision = cpu_matmul
+    if ONEDNN_MATMUL is not None:
+        ONEDNN_MATMUL.fp32_precision = cpu_matmul

@@ -34,19 +34,24 @@ def stand_in(path: Path, log: Path) -> Path:
     return path
 
 
-def make_install(tmp_path: Path, *, venv_has_pip: bool) -> list[str]:
-    """`make install PYTHON=<stand-in>` in a folder with the Makefile, pyproject.toml and a .venv whose python
-    has pip or not; the interpreters' calls, in order."""
+def run_make(tmp_path: Path, target: str) -> list[str]:
+    """`make <target> PYTHON=<stand-in>` in `tmp_path` with the Makefile and pyproject.toml copied there; the
+    interpreters' calls, in order (each stand-in logs to tmp_path/calls.log)."""
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(REPO_DIR / name, tmp_path / name)
-    log = tmp_path / "calls.log"
-    python3 = stand_in(tmp_path / "system" / "python3", log)
-    stand_in(tmp_path / ".venv" / "bin" / "python", log)
+    python3 = stand_in(tmp_path / "system" / "python3", tmp_path / "calls.log")
+    subprocess.run(["make", target, f"PYTHON={python3}"], cwd=tmp_path, env=OWN_MAKE, check=True, capture_output=True)
+    return (tmp_path / "calls.log").read_text().splitlines()
+
+
+def make_install(tmp_path: Path, *, venv_has_pip: bool) -> list[str]:
+    """`make install` with a .venv whose python has pip or not; the interpreters' calls, in order."""
+    stand_in(tmp_path / ".venv" / "bin" / "python", tmp_path / "calls.log")
     if not venv_has_pip:
         (tmp_path / ".venv" / "bin" / "NO_PIP").touch()
-    subprocess.run(["make", "install", f"PYTHON={python3}"], cwd=tmp_path, env=OWN_MAKE, check=True, capture_output=True)
+    calls = run_make(tmp_path, "install")
     assert (tmp_path / ".venv" / ".installed").is_file()
-    return log.read_text().splitlines()
+    return calls
 
 
 def test_a_venv_without_pip_is_made_again_before_the_install(tmp_path):
@@ -67,14 +72,7 @@ def test_make_test_oldest_runs_the_suite_on_every_lower_bound_of_pyproject(tmp_p
     """`make test-oldest`: a venv of its own, pyproject.toml's dependencies installed at the bounds their `>=`
     names (every quoted requirement of the list here, the Makefile's sed line by line there), then the suite as
     `make test` runs it."""
-    for name in ("Makefile", "pyproject.toml"):
-        shutil.copy(REPO_DIR / name, tmp_path / name)
-    log = tmp_path / "calls.log"
-    python3 = stand_in(tmp_path / "system" / "python3", log)
-    subprocess.run(
-        ["make", "test-oldest", f"PYTHON={python3}"], cwd=tmp_path, env=OWN_MAKE, check=True, capture_output=True
-    )
-    assert log.read_text().splitlines() == [
+    assert run_make(tmp_path, "test-oldest") == [
         "python3 -m venv --clear .venv-oldest",
         "python -m pip install -q -c .venv-oldest/oldest.txt -e .[dev]",
         'python -m pytest -q -n 2 -m not large_memory',

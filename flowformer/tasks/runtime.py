@@ -142,6 +142,10 @@ def configure_host_allocator(threshold_mb: float | None) -> None:
         raise RuntimeError(f"{setting}={threshold_mb}: glibc's mallopt refused the setting")
 
 
+# oneDNN's fp32 matmul precision, a setting of newer torch releases (torch 2.6 has none)
+ONEDNN_MATMUL = getattr(torch.backends.mkldnn, "matmul", None)
+
+
 def configure_runtime(settings: DictConfig) -> None:
     """Apply `runtime.matmul_precision` and `runtime.cpu_mmap_threshold_mb` to this process (torch's settings
     are per process): fp32 matmuls and cuDNN convolutions on the GPU in strict fp32 ('highest') or on TF32
@@ -154,8 +158,8 @@ def configure_runtime(settings: DictConfig) -> None:
             f"runtime.matmul_precision={precision!r}: expected one of {', '.join(MATMUL_PRECISIONS)}"
         )
     torch.set_float32_matmul_precision(precision)
-    if hasattr(torch.backends.mkldnn, "matmul"):  # newer torch: the setting would also reach oneDNN CPU matmuls
-        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+    if ONEDNN_MATMUL is not None:  # the setting would also reach oneDNN CPU matmuls
+        ONEDNN_MATMUL.fp32_precision = "ieee"
     torch.backends.cudnn.allow_tf32 = precision != "highest"
     configure_host_allocator(settings.cpu_mmap_threshold_mb)
 

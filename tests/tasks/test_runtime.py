@@ -17,7 +17,12 @@ from torch._dynamo import lookup_backend, register_backend
 from torch._dynamo.utils import counters
 
 from flowformer.tasks import bench, run_task
-from flowformer.tasks.runtime import compile_network, configure_runtime, region_compile_settings
+from flowformer.tasks.runtime import (
+    ONEDNN_MATMUL,
+    compile_network,
+    configure_runtime,
+    region_compile_settings,
+)
 from flowformer.tasks.train import fit
 
 from helpers.compose import compose_tiny_config as config
@@ -47,8 +52,8 @@ def test_matmul_precision_sets_torch_for_the_gpu_and_keeps_cpu_matmuls_strict(pr
     configure_runtime(config(f"runtime.matmul_precision={precision}").runtime)
     assert torch.get_float32_matmul_precision() == precision
     assert torch.backends.cuda.matmul.allow_tf32 == torch.backends.cudnn.allow_tf32 == (precision != "highest")
-    if hasattr(torch.backends.mkldnn, "matmul"):  # a newer torch's oneDNN setting (torch 2.6 has none)
-        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+    if ONEDNN_MATMUL is not None:
+        assert ONEDNN_MATMUL.fp32_precision == "ieee"
 
 
 @pytest.mark.usefixtures("restore_matmul_precision")
