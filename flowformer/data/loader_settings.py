@@ -8,18 +8,36 @@
   GPU is asynchronous; never otherwise (there is nothing to pin for).
 - ``persistent_workers`` keeps the workers between epochs and validations; it and ``prefetch_factor`` (batches
   each worker prepares ahead) only apply with workers.
+
+Workers are forked from the loading process on Linux whatever the interpreter's default start method
+(`worker_start_method`; task=eval's loaders too).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 from typing import Any
 
 # At most this many workers per process for num_workers=auto: one worker reads 15-52 of the official stages'
 # augmented pairs per CPU-second, so 1-3 of them give a 190 ms batch-8 step its 42 pairs/s (docs/performance.md,
 # "Does the data keep up"), and every worker holds prefetch_factor batches in (pinned) memory.
 MAX_AUTO_WORKERS = 8
+
+
+def worker_start_method(num_workers: int) -> BaseContext | None:
+    """How a DataLoader's `num_workers` workers start: on Linux forked from the loading process, as Python before
+    3.14 started them by default and as the stop signals' handling and the workers' seeding were built and tested
+    (Python 3.14 starts them from a fork server instead, where every worker imports torch, Lightning and the
+    dataset's modules again: a tiny run's two workers took its first step 15 s later on 2 cores,
+    docs/reliability.md); elsewhere the interpreter's default (spawn on macOS and Windows). None without workers,
+    where a DataLoader refuses a start method."""
+    if num_workers == 0 or not sys.platform.startswith("linux"):
+        return None
+    return multiprocessing.get_context("fork")
 
 
 def available_cores() -> int:
@@ -44,6 +62,7 @@ class LoaderSettings:
             "pin_memory": self.pin_memory,
             "persistent_workers": self.persistent_workers,
             "prefetch_factor": self.prefetch_factor,
+            "multiprocessing_context": worker_start_method(self.num_workers),
         }
 
     def describe(self) -> str:

@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from flowformer.data.loader_settings import worker_start_method
 from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
@@ -113,6 +114,7 @@ def evaluate_set(
         num_workers=num_workers,
         collate_fn=_single,
         worker_init_fn=worker_ignores_stop_signals,
+        multiprocessing_context=worker_start_method(num_workers),
     )
     warm = WarmStart() if warm_start else None
     missing_truth = 0  # ground-truth pixels that are NaN or inf: left out as invalid (flowformer/metrics.py)

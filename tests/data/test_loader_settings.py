@@ -1,16 +1,23 @@
 """The training DataLoader's settings: `auto` chosen for the device a trainer runs on (workers from the cores the
-process may use, pinned memory only for CUDA), persistent training workers, and one-line refusals."""
+process may use, pinned memory only for CUDA), persistent training workers, workers forked on Linux whatever the
+interpreter's default, and one-line refusals."""
 
+import multiprocessing
 import os
+import sys
 
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from flowformer.data.datamodules import FlowDataModule
 from flowformer.data.loader_settings import MAX_AUTO_WORKERS, LoaderSettings, resolve_loader_settings
 from flowformer.data.synthetic import SyntheticFlowDataset
+from flowformer.eval.protocol import Protocol
+from flowformer.tasks.eval import evaluate_set
 
 from helpers.compose import compose_tiny_config
+from helpers.forked import ForkedFromTheLoader
 from helpers.trainers import cpu_trainer
 
 DEFAULTS = {"num_workers": "auto", "pin_memory": "auto", "persistent_workers": True, "prefetch_factor": 2}
@@ -62,6 +69,38 @@ def test_datamodule_loaders_follow_the_trainers_device(tmp_path):
     assert (train.num_workers, train.persistent_workers, train.prefetch_factor) == (2, True, 2)
     assert (val.num_workers, val.persistent_workers) == (2, False)
     assert next(iter(train))["img1"].shape == (2, 3, 32, 48)
+
+
+@pytest.fixture
+def python_3_14s_start_method():
+    """The interpreter's default start method made Python 3.14's on Linux, a fork server, then back."""
+    saved = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    yield
+    multiprocessing.set_start_method(saved, force=True)
+
+
+def zero_flow(image1: torch.Tensor, image2: torch.Tensor, iters: int) -> dict[str, torch.Tensor]:
+    flow = torch.zeros(image1.shape[0], 2, *image1.shape[-2:])  # [B,2,H,W]
+    return {"flow": flow, "flow_low": flow[..., ::8, ::8]}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked on Linux only")
+def test_workers_are_forked_from_the_loading_process_under_python_3_14s_default(tmp_path, python_3_14s_start_method):
+    """Python 3.14 starts a DataLoader's workers from a fork server by default (each imports torch, Lightning and
+    the dataset's modules again); the training and validation loaders and task=eval's still fork them from the
+    loading process, as on every Python before: each pair here loads only in a child of the process that built
+    the set."""
+    data = ForkedFromTheLoader(pairs=4)
+    datamodule = FlowDataModule(train=data, val={"forked": data}, batch_size=2, num_workers=2)
+    datamodule.trainer = cpu_trainer(default_root_dir=tmp_path)
+    for loader in (datamodule.train_dataloader(), *datamodule.val_dataloader()):
+        assert loader.num_workers == 2
+        assert sum(len(batch["img1"]) for batch in loader) == 4
+    metrics = evaluate_set(
+        zero_flow, data, Protocol(kind="flow", iters=1), name="forked", device=torch.device("cpu"), num_workers=2
+    )
+    assert metrics["epe"] == 0.0
 
 
 def test_every_data_config_takes_auto_from_the_device():
