@@ -4,8 +4,9 @@ ARFlow). Image 2 is warped backward by the predicted flow and compared with imag
 
 The differentiable image operations are kornia's: SSIM (`kornia.metrics.ssim`), the spatial derivatives
 (`kornia.filters.spatial_gradient`), the grey conversion (`kornia.color.rgb_to_grayscale`) and the backward warp
-(`kornia.geometry.transform.remap` on a `kornia.utils.create_meshgrid` grid: kornia 0.9, for Python 3.11 and
-newer, also has it in `kornia.geometry`; 0.8, the newest for 3.10, only there). The census transform is written
+(`kornia.geometry.transform.remap` on kornia's `create_meshgrid` grid, from `kornia.geometry` where kornia has it:
+0.8.3 and newer, for Python 3.11 and newer, which deprecate `kornia.utils`; from `kornia.utils` in 0.7 to 0.8.2,
+the newest for Python 3.10). The census transform is written
 here: kornia has none. kornia is imported by the functions that use it, so that a run without this loss does not
 pay its import.
 """
@@ -69,7 +70,11 @@ def backward_warp(image: Tensor, flow: Tensor) -> tuple[Tensor, Tensor]:
     """image [B, C, H, W] sampled at x + flow(x) (bilinear, zeros outside) -> (warped [B, C, H, W], inside
     [B, 1, H, W] bool: x + flow(x) lies in the frame)."""
     from kornia.geometry.transform import remap
-    from kornia.utils import create_meshgrid
+
+    try:
+        from kornia.geometry import create_meshgrid
+    except ImportError:  # kornia before 0.8.3
+        from kornia.utils import create_meshgrid
 
     _, _, height, width = image.shape
     grid = create_meshgrid(height, width, False, device=flow.device, dtype=flow.dtype)  # [1, H, W, (x, y)]
