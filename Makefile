@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# the interpreter the virtual environment is made from (pyproject.toml's requires-python: 3.10 or newer)
+# the interpreter the virtual environment is made from (pyproject.toml's requires-python: 3.10 to 3.13)
 PYTHON ?= python3
 
 .PHONY: install demo test test-oldest oldest-pins lint bench-gpu gpu-wheels gpu-rehearsal
