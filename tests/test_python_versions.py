@@ -37,7 +37,7 @@ def test_no_file_needs_a_python_newer_than_requires_python():
     assert f"Minimum required versions: {target}" in result.stdout
 
 
-def pip_accepts_the_package_on(python: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def pip_download_for(python: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """pip's answer to installing this package for Python `python` (`pip download` of its metadata: the
     project's pyproject.toml and README beside an empty package, no dependencies)."""
     project = tmp_path / f"project-{python}"
@@ -56,7 +56,7 @@ def test_pip_refuses_python_3_14_where_hydras_command_line_fails(tmp_path):
     """Hydra's command-line parser fails to build on Python 3.14 (every Hydra release to 1.3.8, the newest here), so
     pip refuses the package there with one line naming both versions, before it installs anything; 3.13 is
     accepted."""
-    refused = pip_accepts_the_package_on("3.14", tmp_path)
+    refused = pip_download_for("3.14", tmp_path)
     assert refused.returncode != 0
     assert "ERROR: Package 'flowformer' requires a different Python: 3.14.0 not in '<3.14,>=3.10'" in refused.stderr
-    assert pip_accepts_the_package_on("3.13", tmp_path).returncode == 0
+    assert pip_download_for("3.13", tmp_path).returncode == 0

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from flowformer.data.datamodules import FlowDataModule
 from flowformer.data.loader_settings import MAX_AUTO_WORKERS, LoaderSettings, resolve_loader_settings
 from flowformer.data.synthetic import SyntheticFlowDataset
+from flowformer.eval.baselines import zero_flow
 from flowformer.eval.protocol import Protocol
 from flowformer.tasks.eval import evaluate_set
 
@@ -78,11 +79,6 @@ def python_3_14s_start_method():
     multiprocessing.set_start_method("forkserver", force=True)
     yield
     multiprocessing.set_start_method(saved, force=True)
-
-
-def zero_flow(image1: torch.Tensor, image2: torch.Tensor, iters: int) -> dict[str, torch.Tensor]:
-    flow = torch.zeros(image1.shape[0], 2, *image1.shape[-2:])  # [B,2,H,W]
-    return {"flow": flow, "flow_low": flow[..., ::8, ::8]}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked on Linux only")
