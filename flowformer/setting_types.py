@@ -3,11 +3,12 @@ for true/false (`trainer.max_epochs=abc`, `model.gamma=abc`, `backbone.agt_depth
 otherwise reaches the code, which fails deep inside (Lightning's `fit` with a bare assertion, a comparison of
 str and int) with a traceback, or reads any word as true. The trainer, loggers, callbacks, data and the
 LightningModule are checked against their classes' `__init__` (`check_setting_types`; for Lightning's, the
-annotations of the installed version, so the check follows its signature as it changes), the backbone knobs
-against `BackboneConfig`'s fields (`typed_values`), and the settings of nodes built from no class (eval.*,
+annotations of the installed version, so the check follows its signature as it changes), the optimiser and LR
+schedule partials against torch's classes when the module builds them (`instantiate_partial`), the backbone
+knobs against `BackboneConfig`'s fields (`typed_values`), and the settings of nodes built from no class (eval.*,
 infer.*, bench.*, runtime.*, seed) against the kind of their shipped values (`check_against_shipped`; one name
 where a list is shipped is that list of one). Where an annotation names a class a config value cannot be (an
-Accelerator, a timedelta), it judges nothing."""
+Accelerator, a timedelta), it judges nothing; a tensor, which no config value is, is never fitted."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ import inspect
 import sys
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
+
+import torch
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -107,7 +111,8 @@ def fits(value: Any, hint: Any) -> bool:
         return sequence and (not args or all(fits(item, args[0]) for item in value))
     if origin in (dict, Mapping):
         return isinstance(value, Mapping) and (not args or all(fits(item, args[1]) for item in value.values()))
-    return True
+    # torch's optimisers take `lr: float | Tensor`: a config value is the number, never the tensor
+    return hint is not torch.Tensor
 
 
 def described(hint: Any) -> str:
@@ -115,6 +120,8 @@ def described(hint: Any) -> str:
     words = list(dict.fromkeys(kinds(hint)))
     if "a number" in words and "a whole number" in words:
         words.remove("a whole number")
+    if len(words) > 1 and "a tensor" in words:
+        words.remove("a tensor")
     return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
 
 
@@ -130,6 +137,8 @@ def kinds(hint: Any) -> list[str]:
         return [PLAIN_KINDS[hint]]
     if hint is Path:
         return ["a path"]
+    if hint is torch.Tensor:
+        return ["a tensor"]
     if origin in SEQUENCE_ORIGINS:
         return [f"a list (each {described(args[0])})" if args else "a list"]
     if origin in (dict, Mapping):
@@ -175,6 +184,33 @@ def check_setting_types(node: DictConfig, setting: str, given_elsewhere: Iterabl
     hints = annotated_types(hydra.utils.get_class(node._target_))
     for key, value in typed_values(values, hints, setting, node._target_).items():
         node[key] = value
+
+
+def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Callable[..., Any]:
+    """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too. Its settings
+    are checked against the target's annotations first (`typed_values`: `model.optimizer.lr=abc` is one
+    ValueError naming `<name>.lr` and what it takes). A call its target refuses with a TypeError or ValueError
+    (torch's "Invalid learning rate: -1", a keyword it does not take) is a ValueError naming `name`, the target
+    and its reason."""
+    if not config.get("_partial_"):
+        raise ValueError(
+            f"{name} must be a Hydra partial (`_partial_: true`): the module passes the parameters "
+            f"(optimizer) or the optimiser (scheduler) itself; got {dict(config)}"
+        )
+    import hydra
+
+    build = hydra.utils.instantiate(config, **overrides)
+    settings = {key: value for key, value in {**config, **overrides}.items() if not key.startswith("_")}
+    meant = typed_values(settings, annotated_types(build.func), name, config["_target_"])
+    build = partial(build, **meant)
+
+    def call(*args: Any) -> Any:
+        try:
+            return build(*args)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name} ({config['_target_']}) refuses its settings: {error}") from error
+
+    return call
 
 
 def in_plain_node(cfg: DictConfig, key: str) -> bool:

@@ -7,7 +7,13 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
-from flowformer.setting_types import check_against_shipped, check_setting_types, in_plain_node
+from flowformer.device_settings import optimizer_device_settings
+from flowformer.setting_types import (
+    check_against_shipped,
+    check_setting_types,
+    in_plain_node,
+    instantiate_partial,
+)
 from flowformer.tasks.run_setup import instantiate_setting
 
 from helpers.compose import compose_run_config
@@ -40,6 +46,19 @@ def test_every_shipped_setting_has_the_type_its_class_annotates(experiment, trai
         before = OmegaConf.to_yaml(node)
         check_setting_types(node, setting, given_elsewhere=GIVEN_BY_THE_CODE)
         assert OmegaConf.to_yaml(node) == before, setting
+
+
+@pytest.mark.parametrize(("experiment", "trainer"), list(itertools.product(EXPERIMENTS, TRAINERS)))
+def test_every_shipped_optimizer_and_schedule_setting_has_the_type_torch_annotates(experiment, trainer):
+    """The optimiser and LR schedule partials are checked against torch's classes when the module builds them
+    (`instantiate_partial`, with what it passes: the fused kernel chosen for the device, the schedule's length):
+    if torch changes an annotation so that a shipped value no longer fits, this fails here."""
+    cfg = compose_run_config([f"experiment={experiment}", f"trainer={trainer}"])
+    optimizer = OmegaConf.to_container(cfg.model.optimizer, resolve=True)
+    on_device = optimizer_device_settings(optimizer, "cpu", str(cfg.trainer.precision), "model.optimizer")
+    instantiate_partial(optimizer, "model.optimizer", **on_device)
+    scheduler = OmegaConf.to_container(cfg.model.scheduler, resolve=True)
+    instantiate_partial(scheduler, "model.scheduler", total_steps=scheduler["total_steps"] or 100)
 
 
 @pytest.mark.parametrize("data", sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml")))

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning as L
 import torch
 from lightning.pytorch.utilities.parsing import collect_init_args
@@ -22,6 +21,7 @@ from torch import Tensor, nn
 
 from flowformer.device_settings import optimizer_device_settings
 from flowformer.models.checkpoint import BackboneTargetError, backbone_builder, read_checkpoint
+from flowformer.setting_types import instantiate_partial, whole_number
 
 # The official loops build OneCycleLR(total_steps=num_steps + 100): the schedule outlasts the run by 100.
 SCHEDULE_STEPS_AFTER_MAX_STEPS = 100
@@ -206,26 +206,6 @@ def stored_hyperparameters(checkpoint: Any) -> dict[str, Any]:
     return stored
 
 
-def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Callable[..., Any]:
-    """The callable a Hydra partial config (`_partial_: true`) describes, with `overrides` bound too. A call its
-    target refuses with a TypeError or ValueError (torch's "Invalid learning rate: -1", a word for a number, a
-    keyword it does not take) is a ValueError naming `name`, the target and its reason."""
-    if not config.get("_partial_"):
-        raise ValueError(
-            f"{name} must be a Hydra partial (`_partial_: true`): the module passes the parameters "
-            f"(optimizer) or the optimiser (scheduler) itself; got {dict(config)}"
-        )
-    build = hydra.utils.instantiate(config, **overrides)
-
-    def call(*args: Any) -> Any:
-        try:
-            return build(*args)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{name} ({config['_target_']}) refuses its settings: {error}") from error
-
-    return call
-
-
 class BackboneModule(L.LightningModule):
     """A LightningModule training `self.backbone` (FlowFormer or FlowFormer++).
 
@@ -361,21 +341,23 @@ class BackboneModule(L.LightningModule):
         return {name for name in inspect.signature(cls.__init__).parameters if name not in shared}
 
     def _schedule_length(self) -> dict[str, int]:
-        """{"total_steps": trainer.max_steps + 100} where the scheduler's total_steps is null, else {}; a set
-        total_steps must cover trainer.max_steps (torch refuses to step a OneCycle schedule past its end)."""
+        """{"total_steps": trainer.max_steps + 100} where the scheduler's total_steps is null, else the whole
+        number set (`1e5` read as 100000; a word is refused naming it), which must cover trainer.max_steps (torch
+        refuses to step a OneCycle schedule past its end)."""
         scheduler = self.hparams.scheduler
         if "total_steps" not in scheduler:
             return {}
         max_steps = self.trainer.max_steps
         if scheduler["total_steps"] is not None:
-            if max_steps is not None and max_steps > scheduler["total_steps"]:
+            total_steps = whole_number(scheduler["total_steps"], "model.scheduler.total_steps")
+            if max_steps is not None and max_steps > total_steps:
                 raise ValueError(
-                    f"model.scheduler.total_steps={scheduler['total_steps']} is below trainer.max_steps="
+                    f"model.scheduler.total_steps={total_steps} is below trainer.max_steps="
                     f"{max_steps}: the schedule would end before training does; set "
                     f"model.scheduler.total_steps >= {max_steps}, or null for trainer.max_steps + "
                     f"{SCHEDULE_STEPS_AFTER_MAX_STEPS}"
                 )
-            return {}
+            return {"total_steps": total_steps}
         if max_steps is None or max_steps < 1:
             raise ValueError(
                 "model.scheduler.total_steps is null, so it is derived from trainer.max_steps + 100, but "

@@ -73,7 +73,7 @@ from flowformer.device_settings import device_memory_settings, optimizer_device_
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
-from flowformer.setting_types import check_setting_types
+from flowformer.setting_types import check_setting_types, instantiate_partial
 from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals
 from flowformer.tasks.runtime import (
     InferenceContext,
@@ -133,10 +133,11 @@ def build_step(
             predictions = net(image1, image2, iters=bench.iters)["flow_predictions"]
             return sequence_loss(predictions, flow_gt, valid)[0]
 
-    optimizer_cfg = cfg.model.optimizer  # the model's optimiser at a tiny rate, its kernel chosen for the device
+    # the model's optimiser at a tiny rate, its kernel chosen for the device
+    optimizer_cfg = OmegaConf.to_container(cfg.model.optimizer, resolve=True)
     on_device = optimizer_device_settings(optimizer_cfg, device.type, bench.precision, "model.optimizer")
     trainable = [p for p in net.parameters() if p.requires_grad]
-    optimizer = hydra.utils.instantiate(optimizer_cfg, lr=1e-6, **on_device)(trainable)
+    optimizer = instantiate_partial(optimizer_cfg, "model.optimizer", lr=1e-6, **on_device)(trainable)
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)

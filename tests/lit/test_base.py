@@ -125,23 +125,38 @@ def test_an_optimizer_config_without_partial_is_refused_with_its_name():
 
 
 @pytest.mark.parametrize(
-    ("group", "setting", "value", "reason"),
+    ("group", "setting", "value", "message"),
     [
-        ("optimizer", "lr", -1, "(torch.optim.AdamW) refuses its settings: Invalid learning rate: -1"),
-        ("optimizer", "lr", "abc", "(torch.optim.AdamW) refuses its settings: '<=' not supported between"),
-        ("optimizer", "foo", 1, "(torch.optim.AdamW) refuses its settings: AdamW.__init__() got an unexpected"),
-        ("scheduler", "pct_start", 2, "(torch.optim.lr_scheduler.OneCycleLR) refuses its settings: Expected float"),
+        ("optimizer", "lr", -1, "model.optimizer (torch.optim.AdamW) refuses its settings: Invalid learning rate: -1"),
+        ("optimizer", "foo", 1, "model.optimizer (torch.optim.AdamW) refuses its settings: AdamW.__init__() got an"),
+        ("scheduler", "pct_start", 2, "model.scheduler (torch.optim.lr_scheduler.OneCycleLR) refuses its settings: E"),
+        ("optimizer", "lr", "abc", "model.optimizer.lr='abc' (torch.optim.AdamW takes a number): set it to such"),
+        ("optimizer", "fused", "maybe", "model.optimizer.fused='maybe' (torch.optim.AdamW takes true or false or null)"),
+        ("scheduler", "pct_start", "abc", "model.scheduler.pct_start='abc' (torch.optim.lr_scheduler.OneCycleLR takes a"),
+        ("scheduler", "anneal_strategy", "lin", "model.scheduler.anneal_strategy='lin' (torch.optim.lr_scheduler.One"),
+        ("scheduler", "total_steps", "abc", "model.scheduler.total_steps='abc': expected a whole number"),
     ],
 )
-def test_a_setting_the_optimizer_or_schedule_refuses_is_one_line_naming_it(group, setting, value, reason):
-    """`model.optimizer.lr=-1`, `model.optimizer.lr=abc`, `+model.optimizer.foo=1`, `model.scheduler.pct_start=2`:
-    torch's own error (a traceback for the TypeErrors) named no setting; now a ValueError naming the group."""
+def test_a_setting_the_optimizer_or_schedule_refuses_is_one_line_naming_it(group, setting, value, message):
+    """`model.optimizer.lr=-1`, `+model.optimizer.foo=1`, `model.scheduler.pct_start=2`: torch's own error (a
+    traceback for the TypeErrors) named no setting; now a ValueError naming the group. A word where torch's class
+    takes a number, true/false or one of some words (`model.optimizer.lr=abc`: torch compared it with 0;
+    `model.scheduler.pct_start=abc`: it multiplied the word by the steps; `model.scheduler.total_steps=abc`: a
+    traceback) is refused naming the setting and what the class takes, before torch is called."""
     settings = flow_settings()
     settings[group][setting] = value
     module = attach_trainer(FlowModule(backbone=backbone_config(), **settings))
     with pytest.raises(ValueError) as error:
         module.configure_optimizers()
-    assert str(error.value).startswith(f"model.{group} {reason}")
+    assert str(error.value).startswith(message)
+
+
+def test_a_schedule_length_hydra_read_as_a_float_is_the_whole_number_it_counts():
+    """`model.scheduler.total_steps=1e3`: Hydra reads 1000.0, which torch's OneCycleLR refused."""
+    settings = flow_settings()
+    settings["scheduler"]["total_steps"] = 1e3
+    schedule = attach_trainer(FlowModule(backbone=backbone_config(), **settings)).configure_optimizers()
+    assert schedule["lr_scheduler"]["scheduler"].total_steps == 1000
 
 
 def test_a_schedule_of_null_length_needs_trainer_max_steps():

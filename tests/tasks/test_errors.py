@@ -184,6 +184,10 @@ def test_a_setting_lightning_refuses_is_one_line_naming_it(tmp_path):
             "model.gamma='abc' (flowformer.lit.flow.FlowModule takes a number): set it to such a value",
         ),
         (
+            ["model.optimizer.lr=abc"],
+            "model.optimizer.lr='abc' (torch.optim.AdamW takes a number): set it to such a value",
+        ),
+        (
             ["callbacks.last_checkpoint.every_n_train_steps=abc"],
             (
                 "callbacks.last_checkpoint.every_n_train_steps='abc' (flowformer.lit.checkpointing.LastCheckpoint "
@@ -196,9 +200,11 @@ def test_a_word_given_for_a_number_is_one_line_naming_each_such_setting(tmp_path
     """Before, `trainer.max_epochs=abc` failed inside fit with a bare AssertionError, `log_every_n_steps=abc` and
     `benchmark=maybe` with tracebacks (a comparison of str and int; cudnn's "expects a bool"), the run directory
     left behind, and so did `model.gamma=abc` and `eval.num_workers=abc`; `every_n_train_steps=abc` named no
-    setting; `eval.tile=maybe` evaluated tiled (Python reads any word as true). Each value is now checked against
-    the type its class annotates (`check_setting_types`), or, in a node built from no class, against the kind of
-    its shipped value (`check_against_shipped`), before any run directory."""
+    setting; `eval.tile=maybe` evaluated tiled (Python reads any word as true); `model.optimizer.lr=abc` named
+    the optimiser but not the setting ("'<=' not supported between instances of 'float' and 'str'"). Each value
+    is now checked against the type its class annotates (`check_setting_types`; the optimiser's as the module
+    builds it), or, in a node built from no class, against the kind of its shipped value
+    (`check_against_shipped`), and no run directory is left."""
     checkout = fresh_checkout(tmp_path)
     result = run_py("debug=tiny", *settings, cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
