@@ -13,6 +13,7 @@ Accelerator, a timedelta), it judges nothing; a tensor, which no config value is
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 import types
 import typing
@@ -173,7 +174,6 @@ def check_setting_types(node: DictConfig, setting: str, given_elsewhere: Iterabl
     what the command meant written back into `node`. Keys in `given_elsewhere` (passed to the class by the code)
     and Hydra's own (`_target_`) are not read. (Hydra and OmegaConf are imported here, so that the network's
     module, which checks its knobs with `typed_values`, does not import them.)"""
-    import hydra
     from omegaconf import OmegaConf
 
     values = {
@@ -181,9 +181,29 @@ def check_setting_types(node: DictConfig, setting: str, given_elsewhere: Iterabl
         for key in node
         if not key.startswith("_") and key not in given_elsewhere and not OmegaConf.is_missing(node, key)
     }
-    hints = annotated_types(hydra.utils.get_class(node._target_))
+    hints = annotated_types(target_class(node._target_, setting))
     for key, value in typed_values(values, hints, setting, node._target_).items():
         node[key] = value
+
+
+def target_class(target: str, setting: str) -> type:
+    """The class `<setting>._target_` names (a dotted path); one that cannot be imported, or is no class, is a
+    ValueError naming the setting, for Hydra's error would be a traceback (after Hydra's own log of it, which is
+    left out)."""
+    import hydra
+
+    hydra_log = logging.getLogger("hydra.utils")
+    disabled, hydra_log.disabled = hydra_log.disabled, True
+    try:
+        return hydra.utils.get_class(target)
+    except (ImportError, ValueError) as error:
+        reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise ValueError(
+            f"{setting}._target_={target} is not a class that can be imported ({reason}): set it to the dotted "
+            "path of a class, as the shipped configs do"
+        ) from None
+    finally:
+        hydra_log.disabled = disabled
 
 
 def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) -> Callable[..., Any]:
@@ -199,10 +219,10 @@ def instantiate_partial(config: Mapping[str, Any], name: str, **overrides: Any) 
         )
     import hydra
 
-    build = hydra.utils.instantiate(config, **overrides)
+    target = target_class(config["_target_"], name)
     settings = {key: value for key, value in {**config, **overrides}.items() if not key.startswith("_")}
-    meant = typed_values(settings, annotated_types(build.func), name, config["_target_"])
-    build = partial(build, **meant)
+    meant = typed_values(settings, annotated_types(target), name, config["_target_"])
+    build = partial(hydra.utils.instantiate(config, **overrides), **meant)
 
     def call(*args: Any) -> Any:
         try:

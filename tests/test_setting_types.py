@@ -100,6 +100,22 @@ def test_each_value_of_the_wrong_type_is_named_with_what_it_takes():
     )
 
 
+def test_a_target_that_cannot_be_imported_or_is_no_class_names_the_setting():
+    node = trainer_node()
+    node._target_ = "lightning.Trainr"
+    with pytest.raises(ValueError) as refusal:
+        check_setting_types(node, "trainer")
+    assert str(refusal.value).startswith(
+        "trainer._target_=lightning.Trainr is not a class that can be imported (Error loading 'lightning.Trainr': "
+    )
+    with pytest.raises(ValueError) as refusal:
+        instantiate_partial({"_target_": "torch.optim.adamw", "_partial_": True}, "model.optimizer")
+    assert str(refusal.value) == (
+        "model.optimizer._target_=torch.optim.adamw is not a class that can be imported (Located non-class of type "
+        "'module' while loading 'torch.optim.adamw'): set it to the dotted path of a class, as the shipped configs do"
+    )
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [("benchmark", "maybe"), ("benchmark", 1), ("max_steps", True), ("accumulate_grad_batches", 2.5)],

@@ -212,6 +212,20 @@ def test_a_word_given_for_a_number_is_one_line_naming_each_such_setting(tmp_path
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize(
+    "setting", ["data._target_=flowformer.data.SyntheticData", "model.scheduler._target_=torch.optim.lr_scheduler.OneCycle"]
+)
+def test_a_target_that_names_no_class_is_one_line_naming_the_setting(tmp_path, setting):
+    """A misspelt class (SyntheticFlowDataModule, OneCycleLR) was Hydra's logged error and a traceback."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("debug=tiny", setting, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "Error getting class" not in result.stderr  # Hydra's own log of the same error
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error (ValueError): {setting} is not a class that can be imported")
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
