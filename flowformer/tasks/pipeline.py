@@ -123,6 +123,7 @@ import lightning as L
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import MissingConfigException
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
     LSFEnvironment,
@@ -212,6 +213,13 @@ def read_stages(settings: DictConfig) -> list[Stage]:
             "they must be distinct plain folder names (no '/', not starting with eval_)"
         )
     return stages
+
+
+def missing_config(error: MissingConfigException) -> str:
+    """Hydra's "Could not find 'experiment/chiars'" with the group's options, on one line (its search path left
+    out)."""
+    lines = [line.strip() for line in str(error).split("Config search path")[0].splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]}; {lines[1]} {', '.join(lines[2:])}"
 
 
 def row_overrides(cfg: DictConfig) -> list[str]:
@@ -708,7 +716,13 @@ class Pipeline:
         for stage in self.stages:
             stage_dir = self.run_dir / stage.name
             handoff, result = self.stage_inputs(stage, init_from)
-            stage_cfg, _, _ = self.compose(stage.overrides, handoff, stage_dir, result)
+            try:
+                stage_cfg, _, _ = self.compose(stage.overrides, handoff, stage_dir, result)
+            except MissingConfigException as error:  # `pipeline.stages=[chairs,chiars]`: Hydra's error, one line
+                raise ValueError(
+                    f"pipeline stage {stage.name} ({' '.join(stage.overrides)}) names a config that does not "
+                    f"exist: {missing_config(error)}"
+                ) from None
             plans.append(stage_plan(stage.name, stage_cfg, self.cfg.pipeline.step_time))
             init_from = stage_dir / "checkpoints" / "last.ckpt"
         log_plan(self.run_dir, plans, list(self.evaluate))

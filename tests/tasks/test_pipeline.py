@@ -17,7 +17,7 @@ from flowformer.tasks import pipeline
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.configs import CONF_DIR
-from helpers.run import run_py
+from helpers.run import fresh_checkout, run_py
 
 # The multirun's two rows (data.val_batch_size 2 | 0, which the validation loader refuses) of the smoke protocol,
 # with an existing sweep narrowed to one value (sweep=mask_ratio) and backbone.num_latent_tokens in every job.
@@ -211,6 +211,22 @@ def test_settings_that_cannot_make_a_pipeline_are_refused_before_any_work(overri
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             pipeline.run(cfg)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_misspelt_stage_is_one_line_and_leaves_no_run_directory(tmp_path):
+    """`pipeline.stages=[chairs,chiars]` was Hydra's "Could not find 'experiment/chiars'" over 15 lines, with the
+    pipeline's run directory left behind."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("task=pipeline", "protocol=smoke", "pipeline.stages=[chairs,chiars]", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("[")]
+    assert lines == [
+        "error (ValueError): pipeline stage chiars (experiment=chiars) names a config that does not exist: In 'config': "
+        "Could not find 'experiment/chiars'; Available options in 'experiment': "
+        + ", ".join(sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yaml")))
+    ]
+    assert list((checkout / "logs").rglob("*")) == []
+
 
 # Each protocol's stages as (name, task, variant, steps), and its evaluations' tiling: the paper's numbers.
 PROTOCOLS = {
