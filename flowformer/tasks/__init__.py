@@ -18,6 +18,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -126,6 +127,7 @@ def check_command_settings(cfg: DictConfig) -> None:
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
+    check_debug_preset(hydra_cfg.runtime.choices)
     overrides = list(hydra_cfg.overrides.task)
     groups = set(hydra_cfg.runtime.choices)
     choices = [o for o in overrides if not is_setting(o, groups)]
@@ -140,6 +142,27 @@ def check_command_settings(cfg: DictConfig) -> None:
         return
     for key, value in check_against_shipped(settings, cfg, shipped).items():
         OmegaConf.update(cfg, key, value)
+
+
+# The debug presets that set their data config's own keys (conf/debug/tiny.yaml: data=synthetic's sizes, its
+# validation set and val_batch_size), which another data config's module does not take.
+DEBUG_PRESET_DATA = {"tiny": "synthetic"}
+
+
+def check_debug_preset(choices: Mapping[str, str | None]) -> None:
+    """A debug preset with another data config than its own (`experiment=mcva_pretrain debug=tiny`, `debug=tiny
+    data=image_folder`) is one ValueError naming both and debug=fdr, which takes any data: the preset's data keys
+    would reach a module that does not take them (a TypeError naming a key the command never gave, or a
+    validation set with no dataset class, failing in the loader with a traceback)."""
+    debug, data = choices.get("debug"), choices.get("data")
+    wanted = DEBUG_PRESET_DATA.get(debug)
+    if wanted is not None and data != wanted:
+        raise ValueError(
+            f"debug={debug} is a smoke run on data={wanted} (conf/debug/{debug}.yaml sets its sizes), and this run's "
+            f"data is data={data} (chosen by the command or its experiment): for a smoke run on data={data} use "
+            f"debug=fdr (one training and one validation batch), or leave out debug={debug} and shorten the run "
+            "(trainer.max_steps=2 backbone=tiny)"
+        )
 
 
 def is_setting(override: str, groups: set[str]) -> bool:

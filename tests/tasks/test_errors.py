@@ -226,6 +226,27 @@ def test_a_target_that_names_no_class_is_one_line_naming_the_setting(tmp_path, s
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize(
+    ("command", "data"),
+    [(["debug=tiny", "data=image_folder"], "image_folder"), (["experiment=mcva_pretrain", "debug=tiny"], "youtube_vos")],
+)
+def test_the_tiny_debug_preset_on_other_data_is_one_line_naming_debug_fdr(tmp_path, command, data):
+    """debug=tiny sets data=synthetic's own keys: with data=image_folder its validation set had no dataset class
+    and the loader failed with a traceback; with experiment=mcva_pretrain YouTubeVOS refused num_samples, a key
+    the command never gave."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    expected = (
+        f"error (ValueError): debug=tiny is a smoke run on data=synthetic (conf/debug/tiny.yaml sets its sizes), and "
+        f"this run's data is data={data} (chosen by the command or its experiment): for a smoke run on data={data} "
+        "use debug=fdr (one training and one validation batch), or leave out debug=tiny and shorten the run "
+        "(trainer.max_steps=2 backbone=tiny)"
+    )
+    assert error_lines(result.stderr) == [expected]
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
