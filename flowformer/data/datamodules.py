@@ -217,6 +217,12 @@ class FlowDataModule(_TrainingData):
         _check_batch_size("FlowDataModule (val)", val_batch_size)
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
+            if isinstance(dataset, Mapping):  # a config node Hydra left as it is: it names no class
+                raise ValueError(  # noqa: TRY004 - a setting's error, which run.py reports in one line
+                    f"FlowDataModule: validation set '{name}' is the settings {dict(dataset)}, not a dataset: "
+                    f"data.val.{name} names no class (_target_); give it a set of conf/eval/sets/, as a data "
+                    f"config's defaults do (`/eval/sets@val.{name}: <set>`), or remove it"
+                )
             if len(dataset) == 0:
                 raise ValueError(f"FlowDataModule: validation set '{name}' is empty")
         self.val_batch_size = val_batch_size

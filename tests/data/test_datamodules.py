@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from flowformer.data.datamodules import FlowDataModule, PretrainDataModule
@@ -167,3 +168,18 @@ def test_flow_datamodule_order_batches_and_errors() -> None:
         FlowDataModule(train=train, batch_size=8).train_dataloader()
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         PretrainDataModule(train=SyntheticVideoDataset(num_samples=2, size=(16, 24)), batch_size=0)
+
+
+def test_a_validation_set_whose_config_names_no_class_is_refused_naming_it() -> None:
+    """`+data.val.extra.dataset.num_samples=2` (or a debug preset's keys merged into another data config): Hydra
+    leaves a node without `_target_` as its settings, which the loader failed to index with a traceback."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["data=synthetic", "+data.val.extra.dataset.num_samples=2"])
+    with pytest.raises(InstantiationException) as refusal:  # Hydra's, around the module's ValueError
+        instantiate(cfg.data, train=None)
+    assert isinstance(refusal.value.__cause__, ValueError)
+    assert str(refusal.value.__cause__) == (
+        "FlowDataModule: validation set 'extra' is the settings {'dataset': {'num_samples': 2}}, not a dataset: "
+        "data.val.extra names no class (_target_); give it a set of conf/eval/sets/, as a data config's defaults "
+        "do (`/eval/sets@val.extra: <set>`), or remove it"
+    )
