@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from flowformer.eval.padding import DEFAULT_FILL, InputPadder, PadMode
 from flowformer.eval.tiling import tiled_flow
+from flowformer.setting_types import whole_number
 
 if TYPE_CHECKING:
     from flowformer.metrics import SetMetrics
@@ -238,7 +239,9 @@ class EvalSet(Dataset):
         _check_pad_mode(tile_pad_mode, "tile_pad_mode")
         self.dataset = dataset
         self.kind = kind
-        self.iters = None if iters is None else int(iters)
+        self.iters = None if iters is None else whole_number(iters, "iters")
+        if self.iters is not None and self.iters < 1:
+            raise ValueError(f"iters={self.iters}: the decoder iterations must be >= 1")
         self.pad_mode = pad_mode
         self.tile_size = None if tile_size is None else (int(tile_size[0]), int(tile_size[1]))
         self.tile_pad_mode = tile_pad_mode

@@ -207,11 +207,13 @@ def format_table(results: Mapping[str, Mapping[str, float]], kinds: Mapping[str,
 
 def open_set(name: str, node: Mapping[str, Any]) -> EvalSet:
     """The set `eval.benchmarks.<name>`; a missing dataset tree names the set and the zero-download
-    alternative."""
+    alternative, a setting the set refuses (`iters=0`) names the set."""
     try:
         eval_set = hydra.utils.instantiate(node)
     except Exception as error:  # Hydra wraps the dataset's own error as __cause__
         cause = error.__cause__ or error
+        if type(cause) is ValueError:
+            raise ValueError(f"eval.benchmarks.{name}: {cause}") from None
         if not isinstance(cause, FileNotFoundError):
             raise
         raise FileNotFoundError(

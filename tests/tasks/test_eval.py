@@ -313,6 +313,22 @@ def test_no_set_to_evaluate_is_refused_before_the_network(tmp_path: Path) -> Non
         run(cfg)
 
 
+@pytest.mark.parametrize(
+    ("iters", "message"),
+    [(0, "iters=0: the decoder iterations must be >= 1"), ("abc", "iters='abc': expected a whole number")],
+)
+def test_a_sets_decoder_iterations_are_checked_before_the_network_naming_the_set(iters, message) -> None:
+    """`eval.benchmarks.synthetic.iters=0` failed in the network's forward, naming no setting; `=abc` was
+    int()'s "invalid literal for int() with base 10"."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "config", overrides=["task=eval", "eval=synthetic", "backbone=tiny", f"eval.benchmarks.synthetic.iters={iters}"]
+        )
+    with pytest.raises(ValueError) as refusal:
+        run(cfg)
+    assert str(refusal.value) == f"eval.benchmarks.synthetic: {message}"
+
+
 def test_warm_start_carries_each_scenes_flow_to_its_next_pair(tmp_path: Path) -> None:
     """eval.warm_start=true on a Sintel-shaped test tree (alley_1: one pair, market_2: two): the first pair of
     each scene is as without it, the second pair of market_2 starts from the first's projected 1/8 flow."""
