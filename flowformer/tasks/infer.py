@@ -48,6 +48,7 @@ from flowformer.data.io import (
 )
 from flowformer.data.video_datasets import VIDEO_SUFFIXES, image_frames, stated_frame_count
 from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
+from flowformer.setting_types import whole_number
 from flowformer.stop_signals import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
 from flowformer.tasks.runtime import (
@@ -174,6 +175,8 @@ def check_settings(settings: DictConfig) -> None:
     """The infer settings that no input can fix, refused before any work."""
     if settings.format not in ("flo", "kitti"):
         raise ValueError(f"infer.format={settings.format!r}: expected 'flo' or 'kitti'")
+    if whole_number(settings.iters, "infer.iters") < 1:
+        raise ValueError(f"infer.iters={settings.iters}: the decoder iterations must be >= 1")
     if settings.save_video and not settings.video_fps > 0:
         raise ValueError(
             f"infer.video_fps={settings.video_fps}: expected frames per second > 0 (or infer.save_video=false)"

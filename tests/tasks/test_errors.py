@@ -247,6 +247,27 @@ def test_the_tiny_debug_preset_on_other_data_is_one_line_naming_debug_fdr(tmp_pa
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["task=infer", "backbone=tiny", "infer.checkpoint=x.ckpt", "infer.input=[a.png,b.png]", "infer.iters=0"],
+            "infer.iters=0: the decoder iterations must be >= 1",
+        ),
+        (["task=bench", "backbone=tiny", "bench.iters=0"], "bench.iters=0: expected a whole number >= 1"),
+        (["task=bench", "bench=data", "data=synthetic", "bench.repeats=0"], "bench.repeats=0: expected a whole number >= 1"),
+    ],
+)
+def test_a_count_below_its_least_is_one_line_before_any_work(tmp_path, command, expected):
+    """infer.iters=0 failed in the network's forward naming no setting; bench.iters=0 and bench.repeats=0 failed
+    in every row (a ZeroDivisionError for repeats), and bench=data's repeats=0 with a traceback."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert error_lines(result.stderr) == [f"error (ValueError): {expected}"]
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
