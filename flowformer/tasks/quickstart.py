@@ -26,6 +26,7 @@ from flowformer.data.io import write_image
 from flowformer.eval.baselines import baseline_methods
 from flowformer.models.output_files import atomic_write_text
 from flowformer.overrides import command_again, shell_override
+from flowformer.setting_types import whole_number
 from flowformer.stop_signals import StoppedBySignal, StopSignals, stopping_at_once
 from flowformer.tasks.eval import open_sets, score_baselines
 from flowformer.tasks.pipeline import RECORD, Pipeline, pipeline_dir, read_record, read_stages
@@ -82,10 +83,25 @@ def stopped_before_verdict(signum: signal.Signals, run_dir: Path) -> str:
     )
 
 
+def check_settings(settings: DictConfig) -> None:
+    """The quickstart.* settings, refused before any stage: a count below one would fail a stage or the picture
+    after the work before it (`finetune_steps=0` in the finetuning's trainer settings, after the pretraining),
+    and a ratio of zero or below could never pass."""
+    for key in ("pretrain_steps", "finetune_steps", "panel_pairs"):
+        if whole_number(settings[key], f"quickstart.{key}") < 1:
+            raise ValueError(f"quickstart.{key}={settings[key]}: expected a whole number >= 1")
+    if not settings.max_epe_ratio > 0:
+        raise ValueError(
+            f"quickstart.max_epe_ratio={settings.max_epe_ratio}: expected a fraction of the zero-flow EPE > 0 "
+            "(0.5: the demo passes at half of it)"
+        )
+
+
 def run(cfg: DictConfig) -> float:
     """The demo's pipelines, then its verdict; `pipeline.resume=<run dir>` continues a stopped demo (a stop
     signal's line names it) in that run directory: finished stages and evaluations are kept."""
     settings = cfg.quickstart
+    check_settings(settings)
     stages = read_stages(cfg.pipeline)
     run_dir, earlier = pipeline_dir(cfg)
     pipelines = {"with_mcva": Pipeline(cfg, run_dir, stages, earlier)}
