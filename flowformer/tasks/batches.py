@@ -47,17 +47,29 @@ def nearest_settings(size: int, devices: int, nodes: int, accumulate: int) -> li
     return found
 
 
+def process_counts(trainer: DictConfig) -> tuple[int, int]:
+    """(trainer.num_nodes, trainer.accumulate_grad_batches), each a whole number >= 1, else a ValueError naming it:
+    Lightning takes 0 accumulated batches and divides by it at the first step."""
+    counts = []
+    for key in ("num_nodes", "accumulate_grad_batches"):
+        count = whole_number(trainer.get(key, 1), f"trainer.{key}")
+        if count < 1:
+            raise ValueError(f"trainer.{key}={count}: expected a whole number >= 1")
+        counts.append(count)
+    return counts[0], counts[1]
+
+
 def per_process_batch(cfg: DictConfig) -> int:
     """data.batch_size where it is set, else the stage's global batch shared out over the processes and the
     accumulated batches; a ValueError (one line) where that does not divide."""
+    trainer = cfg.trainer
+    nodes, accumulate = process_counts(trainer)
     if cfg.data.get("batch_size") is not None:
         return whole_number(cfg.data.batch_size, "data.batch_size")
     stage = cfg.get("global_batch")
     if stage is None:
         raise ValueError("data.batch_size is null and no stage states its global batch: set data.batch_size")
-    trainer = cfg.trainer
     devices = devices_per_node(trainer.get("devices", 1))
-    nodes, accumulate = int(trainer.get("num_nodes", 1)), int(trainer.get("accumulate_grad_batches", 1))
     if devices is None:
         raise ValueError(
             f"trainer.devices={trainer.devices}: the {stage.stage} stage shares its global batch of {stage.size} "

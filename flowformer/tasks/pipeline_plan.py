@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from flowformer.tasks.batches import devices_per_node, per_process_batch
+from flowformer.tasks.batches import devices_per_node, per_process_batch, process_counts
 from flowformer.tasks.sweeps import in_multirun
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,8 @@ def stage_plan(name: str, stage_cfg: DictConfig, step_time: DictConfig) -> Stage
     divide over its processes."""
     trainer = stage_cfg.trainer
     batch = per_process_batch(stage_cfg)
-    processes = (devices_per_node(trainer.get("devices", 1)) or 1) * int(trainer.get("num_nodes", 1))
-    accumulate = int(trainer.get("accumulate_grad_batches", 1))
+    nodes, accumulate = process_counts(trainer)
+    processes = (devices_per_node(trainer.get("devices", 1)) or 1) * nodes
     data = OmegaConf.to_container(stage_cfg.data.get("train") or {}, resolve=True)
     crop = training_crop(data)
     steps = int(trainer.max_steps)

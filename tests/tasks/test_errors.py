@@ -257,6 +257,7 @@ def test_the_tiny_debug_preset_on_other_data_is_one_line_naming_debug_fdr(tmp_pa
         (["task=bench", "backbone=tiny", "bench.iters=0"], "bench.iters=0: expected a whole number >= 1"),
         (["task=bench", "bench=data", "data=synthetic", "bench.repeats=0"], "bench.repeats=0: expected a whole number >= 1"),
         (["experiment=quickstart", "quickstart.finetune_steps=0"], "quickstart.finetune_steps=0: expected a whole number >= 1"),
+        (["debug=tiny", "trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0: expected a whole number >= 1"),
         (
             ["experiment=quickstart", "quickstart.max_epe_ratio=-1"],
             "quickstart.max_epe_ratio=-1: expected a fraction of the zero-flow EPE > 0 (0.5: the demo passes at half of it)",
@@ -267,7 +268,8 @@ def test_a_count_below_its_least_is_one_line_before_any_work(tmp_path, command, 
     """infer.iters=0 failed in the network's forward naming no setting; bench.iters=0 and bench.repeats=0 failed
     in every row (a ZeroDivisionError for repeats), and bench=data's repeats=0 with a traceback. The demo with
     quickstart.finetune_steps=0 pretrained, then failed naming trainer.val_check_interval=0; with a ratio below
-    zero it trained for minutes to a verdict that could never pass."""
+    zero it trained for minutes to a verdict that could never pass. Lightning takes trainer.accumulate_grad_batches=0
+    and divides by it at the first step (a ZeroDivisionError traceback)."""
     checkout = fresh_checkout(tmp_path)
     result = run_py(*command, cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
