@@ -78,7 +78,7 @@ def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.Lig
     get the whole config, and a wandb run's id is stored beside the checkpoints."""
     if cfg.trainer.get("max_steps") is not None:  # 1e5 on the command line: the whole number Lightning counts to
         cfg.trainer.max_steps = whole_number(cfg.trainer.max_steps, "trainer.max_steps")
-    check_validation_interval(cfg.trainer.get("val_check_interval"))
+    check_validation_interval(cfg.trainer.get("val_check_interval"), cfg.trainer.get("check_val_every_n_epoch", 1))
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir, parameter_counts(model), memory_settings(model))
     warn_random_twins(cfg)
@@ -150,12 +150,19 @@ def seed_run(seed: int) -> None:
         raise ValueError(f"seed={seed}: {error}; choose a seed in that range") from None
 
 
-def check_validation_interval(interval: float | None) -> None:
-    """trainer.val_check_interval: a number of training steps (>= 1), a fraction of an epoch, or null."""
+def check_validation_interval(interval: float | None, every_n_epochs: int | None = 1) -> None:
+    """trainer.val_check_interval: a number of training steps (>= 1), a fraction of an epoch, or null;
+    trainer.check_val_every_n_epoch: a whole number of epochs >= 1 (Lightning takes 0 and divides by it as the
+    first epoch ends), or null."""
     if interval is not None and interval <= 0:
         raise ValueError(
             f"trainer.val_check_interval={interval}: expected a number of training steps >= 1, a fraction of "
             "an epoch in (0, 1], or null (once an epoch)"
+        )
+    if every_n_epochs is not None and whole_number(every_n_epochs, "trainer.check_val_every_n_epoch") < 1:
+        raise ValueError(
+            f"trainer.check_val_every_n_epoch={every_n_epochs}: expected a whole number of epochs >= 1, or null "
+            "(validation every trainer.val_check_interval steps alone)"
         )
 
 

@@ -259,6 +259,11 @@ def test_the_tiny_debug_preset_on_other_data_is_one_line_naming_debug_fdr(tmp_pa
         (["experiment=quickstart", "quickstart.finetune_steps=0"], "quickstart.finetune_steps=0: expected a whole number >= 1"),
         (["debug=tiny", "trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0: expected a whole number >= 1"),
         (
+            ["debug=tiny", "trainer.check_val_every_n_epoch=0"],
+            "trainer.check_val_every_n_epoch=0: expected a whole number of epochs >= 1, or null (validation every "
+            "trainer.val_check_interval steps alone)",
+        ),
+        (
             ["experiment=quickstart", "quickstart.max_epe_ratio=-1"],
             "quickstart.max_epe_ratio=-1: expected a fraction of the zero-flow EPE > 0 (0.5: the demo passes at half of it)",
         ),
@@ -269,7 +274,8 @@ def test_a_count_below_its_least_is_one_line_before_any_work(tmp_path, command, 
     in every row (a ZeroDivisionError for repeats), and bench=data's repeats=0 with a traceback. The demo with
     quickstart.finetune_steps=0 pretrained, then failed naming trainer.val_check_interval=0; with a ratio below
     zero it trained for minutes to a verdict that could never pass. Lightning takes trainer.accumulate_grad_batches=0
-    and divides by it at the first step (a ZeroDivisionError traceback)."""
+    and divides by it at the first step, trainer.check_val_every_n_epoch=0 as the first epoch ends (each a
+    ZeroDivisionError traceback)."""
     checkout = fresh_checkout(tmp_path)
     result = run_py(*command, cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr

@@ -47,6 +47,14 @@ def test_a_validation_interval_below_one_step_names_the_setting(interval):
     check_validation_interval(None)  # once an epoch
 
 
+@pytest.mark.parametrize("every_n_epochs", [0, -1])
+def test_validation_every_zero_epochs_names_the_setting(every_n_epochs):
+    """Lightning takes trainer.check_val_every_n_epoch=0 and divides by it as the first epoch ends."""
+    with pytest.raises(ValueError, match=f"^trainer.check_val_every_n_epoch={every_n_epochs}: expected a whole"):
+        check_validation_interval(2, every_n_epochs)
+    check_validation_interval(2, None)  # by steps alone
+
+
 def test_a_video_of_zero_frames_per_second_is_refused_before_any_work(tmp_path):
     cfg = compose_tiny_config(
         "infer.video_fps=0", f"infer.input={tmp_path / 'clip.mp4'}", f"infer.checkpoint={tmp_path / 'none.pt'}"
