@@ -260,8 +260,10 @@ def test_the_tiny_debug_preset_on_other_data_is_one_line_naming_debug_fdr(tmp_pa
         (["debug=tiny", "trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0: expected a whole number >= 1"),
         (
             ["debug=tiny", "trainer.check_val_every_n_epoch=0"],
-            "trainer.check_val_every_n_epoch=0: expected a whole number of epochs >= 1, or null (validation every "
-            "trainer.val_check_interval steps alone)",
+            (
+                "trainer.check_val_every_n_epoch=0: expected a whole number of epochs >= 1, or null (validation every "
+                "trainer.val_check_interval steps alone)"
+            ),
         ),
         (
             ["experiment=quickstart", "quickstart.max_epe_ratio=-1"],
