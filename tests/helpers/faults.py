@@ -115,9 +115,14 @@ class CtrlCOnce(L.Callback):
 
 def signal_group(signal_name: str) -> None:
     """`signal_name` to this process's whole group, sent by another process as SLURM's and a terminal's are;
-    returns once it is sent."""
-    sender = f"import os, signal; os.killpg({os.getpgrp()}, signal.{signal_name})"
-    subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
+    returns once it is sent. Where two processes of one group signal it at once (both ranks of a job step), one's
+    sender can get the other's signal while it is still in the group, between its fork and its own session, with
+    the default action (CPython's child resets the handlers): it dies of that signal, which the group got."""
+    signum = getattr(signal, signal_name)
+    sender = f"import os, signal; os.killpg({os.getpgrp()}, {int(signum)})"
+    sent = subprocess.run([sys.executable, "-c", sender], check=False, start_new_session=True)
+    if sent.returncode not in (0, -signum):
+        raise subprocess.CalledProcessError(sent.returncode, sent.args)
 
 
 def fill_disk(folder: str | Path, patch: Callable[[object, str, object], None] = setattr) -> str:
