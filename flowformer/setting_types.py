@@ -48,6 +48,15 @@ def whole_number(value: Any, setting: str) -> int:
     raise ValueError(f"{setting}={value!r}: expected a whole number")
 
 
+def count_at_least(value: Any, setting: str, least: int) -> int:
+    """`whole_number`, refused naming `setting` below `least` (steps, repeats, nodes: 0 would divide by zero or do
+    nothing after the work before it)."""
+    count = whole_number(value, setting)
+    if count < least:
+        raise ValueError(f"{setting}={value}: expected a whole number >= {least}")
+    return count
+
+
 def annotated_types(target: type) -> dict[str, Any]:
     """The annotation of each parameter `target(...)` takes: its own `__init__`'s, then, for the parameters it
     passes on through `**kwargs`, its base classes'."""

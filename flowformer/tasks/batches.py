@@ -13,7 +13,7 @@ import logging
 
 from omegaconf import DictConfig, ListConfig
 
-from flowformer.setting_types import whole_number
+from flowformer.setting_types import count_at_least, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,10 @@ def nearest_settings(size: int, devices: int, nodes: int, accumulate: int) -> li
 def process_counts(trainer: DictConfig) -> tuple[int, int]:
     """(trainer.num_nodes, trainer.accumulate_grad_batches), each a whole number >= 1, else a ValueError naming it:
     Lightning takes 0 accumulated batches and divides by it at the first step."""
-    counts = []
-    for key in ("num_nodes", "accumulate_grad_batches"):
-        count = whole_number(trainer.get(key, 1), f"trainer.{key}")
-        if count < 1:
-            raise ValueError(f"trainer.{key}={count}: expected a whole number >= 1")
-        counts.append(count)
-    return counts[0], counts[1]
+    return (
+        count_at_least(trainer.get("num_nodes", 1), "trainer.num_nodes", 1),
+        count_at_least(trainer.get("accumulate_grad_batches", 1), "trainer.accumulate_grad_batches", 1),
+    )
 
 
 def per_process_batch(cfg: DictConfig) -> int:

@@ -73,7 +73,7 @@ from flowformer.device_settings import device_memory_settings, optimizer_device_
 from flowformer.losses import sequence_loss
 from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.models.output_files import atomic_write, atomic_write_text
-from flowformer.setting_types import check_setting_types, instantiate_partial, whole_number
+from flowformer.setting_types import check_setting_types, count_at_least, instantiate_partial
 from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals
 from flowformer.tasks.runtime import (
     InferenceContext,
@@ -446,8 +446,7 @@ def check_settings(cfg: DictConfig) -> None:
     if bench.mode not in MODES:
         raise ValueError(f"bench.mode={bench.mode!r}: expected one of {MODES}")
     for key, least in (("iters", 1), ("repeats", 1), ("warmup", 0), ("batch_size", 1), ("profile_steps", 0)):
-        if whole_number(bench[key], f"bench.{key}") < least:
-            raise ValueError(f"bench.{key}={bench[key]}: expected a whole number >= {least}")
+        count_at_least(bench[key], f"bench.{key}", least)
     for size in bench.sizes:
         pair = OmegaConf.is_list(size) and len(size) == 2 and all(isinstance(side, int) for side in size)
         if not pair or size[0] % 8 or size[1] % 8:

@@ -26,7 +26,7 @@ from flowformer.data.io import write_image
 from flowformer.eval.baselines import baseline_methods
 from flowformer.models.output_files import atomic_write_text
 from flowformer.overrides import command_again, shell_override
-from flowformer.setting_types import whole_number
+from flowformer.setting_types import count_at_least
 from flowformer.stop_signals import StoppedBySignal, StopSignals, stopping_at_once
 from flowformer.tasks.eval import open_sets, score_baselines
 from flowformer.tasks.pipeline import RECORD, Pipeline, pipeline_dir, read_record, read_stages
@@ -88,8 +88,7 @@ def check_settings(settings: DictConfig) -> None:
     after the work before it (`finetune_steps=0` in the finetuning's trainer settings, after the pretraining),
     and a ratio of zero or below could never pass."""
     for key in ("pretrain_steps", "finetune_steps", "panel_pairs"):
-        if whole_number(settings[key], f"quickstart.{key}") < 1:
-            raise ValueError(f"quickstart.{key}={settings[key]}: expected a whole number >= 1")
+        count_at_least(settings[key], f"quickstart.{key}", 1)
     if not settings.max_epe_ratio > 0:
         raise ValueError(
             f"quickstart.max_epe_ratio={settings.max_epe_ratio}: expected a fraction of the zero-flow EPE > 0 "
