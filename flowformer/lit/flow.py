@@ -20,6 +20,7 @@ from flowformer.lit.images import image_api, log_images
 from flowformer.losses import sequence_loss
 from flowformer.metrics import NothingScoredError
 from flowformer.models.checkpoint import load_backbone_weights
+from flowformer.setting_types import count_at_least
 from flowformer.viz import flow_panel
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,13 @@ class FlowModule(BackboneModule):
                 f"model.gamma={gamma}: the loss weighs iteration i by gamma^(N-1-i), so gamma must be >= 0 "
                 "(official: 0.8)"
             )
+        if not max_flow > 0:  # also NaN
+            raise ValueError(
+                f"model.max_flow={max_flow}: the loss counts the pixels whose ground-truth flow is shorter than "
+                "max_flow, so none would count and nothing would be learned; expected > 0 (official: 400)"
+            )
         check_decoder_iterations(train_iters=train_iters, val_iters=val_iters)
+        count_at_least(num_val_panels, "model.num_val_panels", 0)
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         if init_from is not None:
             report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))

@@ -149,8 +149,8 @@ ONEDNN_MATMUL = getattr(torch.backends.mkldnn, "matmul", None)
 
 def configure_runtime(settings: DictConfig) -> None:
     """Apply `runtime.matmul_precision` and `runtime.cpu_mmap_threshold_mb` to this process (torch's settings
-    are per process): fp32 matmuls and cuDNN convolutions on the GPU in strict fp32 ('highest') or on TF32
-    tensor cores ('high', 'medium').
+    are per process) and check `runtime.compile_regions`: fp32 matmuls and cuDNN convolutions on the GPU in
+    strict fp32 ('highest') or on TF32 tensor cores ('high', 'medium').
     CPU matmuls stay strict fp32 whatever the setting (torch would otherwise let oneDNN use TF32 or bf16 on
     CPUs that have them), so CPU numbers do not depend on it."""
     precision = settings.matmul_precision
@@ -163,6 +163,7 @@ def configure_runtime(settings: DictConfig) -> None:
         ONEDNN_MATMUL.fp32_precision = "ieee"
     torch.backends.cudnn.allow_tf32 = precision != "highest"
     configure_host_allocator(settings.cpu_mmap_threshold_mb)
+    compiled_parts(settings)  # checked also with runtime.compile off, where a typo would go unnoticed
 
 
 def leave_process_group() -> None:

@@ -355,6 +355,14 @@ def test_a_bad_compile_regions_is_one_error_naming_the_key():
             compile_network(build_backbone(), settings)
 
 
+def test_a_bad_compile_regions_is_refused_also_with_compile_off(capsys):
+    """`runtime.compile_regions=[decodr]` without runtime.compile trained uncompiled, the typo unseen."""
+    with pytest.raises(SystemExit) as exit_info:  # as run.py reports it, before any work
+        run_task(config("task=eval", "eval=synthetic", "runtime.compile_regions=[decodr]"))
+    assert exit_info.value.code == 1
+    assert "error (ValueError): runtime.compile_regions=['decodr']: expected a list of" in capsys.readouterr().err
+
+
 def test_cuda_graphs_graph_the_decoder_iteration_alone():
     """Inductor's modes with CUDA graphs graph the decoder's iteration only: the other regions get the mode's
     other options (graphed regions feeding each other fail under torch's CUDA graph trees)."""

@@ -26,6 +26,9 @@ def test_backbone_knobs_below_their_least_value_are_refused(knob, value, least):
         ("gamma", -5, "model.gamma=-5: .* gamma must be >= 0"),  # trained to a loss of -12.6
         ("train_iters", 0, "model.train_iters=0: the decoder needs at least 1 iteration"),
         ("val_iters", 0, "model.val_iters=0: the decoder needs at least 1 iteration"),
+        ("max_flow", 0, "model.max_flow=0: the loss counts .* expected > 0"),  # trained on a loss of 0
+        ("max_flow", float("nan"), "model.max_flow=nan: "),
+        ("num_val_panels", -1, "model.num_val_panels=-1: expected a whole number >= 0"),
     ],
 )
 def test_flow_module_settings_are_checked_when_it_is_built(setting, value, message):
