@@ -22,6 +22,7 @@ from flowformer.models.mcva import (
     ReconstructionObjective,
     mcva_forward,
 )
+from flowformer.setting_types import count_at_least
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class MCVAPretrainModule(BackboneModule):
     freeze_image_encoder, freeze_context_encoder: frozen modules get requires_grad=False and stay in eval mode.
     log_images_every_n_steps: pictures of target/prediction patches and of the block mask (0 = never); they go
         to every logger with an image API (`log_image`, or TensorBoard's `experiment.add_image`).
+    num_logged_patches: source pixels (at least 1) whose target and predicted patches those pictures show.
     """
 
     def __init__(
@@ -100,6 +102,8 @@ class MCVAPretrainModule(BackboneModule):
         log_images_every_n_steps: int,
         num_logged_patches: int,
     ) -> None:
+        count_at_least(log_images_every_n_steps, "model.log_images_every_n_steps", 0)
+        count_at_least(num_logged_patches, "model.num_logged_patches", 1)
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         self.objective = ReconstructionObjective(
             recon_location=recon_location, query_num=query_num, normalize=normalize

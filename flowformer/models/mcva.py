@@ -107,6 +107,11 @@ class CostMaskGenerator:
             raise ValueError(f"model.masking={self.masking!r}: expected 'block' or 'random'.")
         if not 0.0 <= self.mask_ratio < 1.0:
             raise ValueError(f"model.mask_ratio={self.mask_ratio}: expected a value in [0, 1).")
+        if self.masking == "block" and not 1 <= self.min_block <= self.max_block:
+            raise ValueError(
+                f"model.min_block={self.min_block}, model.max_block={self.max_block}: expected 1 <= min_block <= "
+                "max_block (block sides in 1/8-resolution source pixels; official: 4 and 15)"
+            )
 
     def noise(self, batch: int, h1: int, w1: int, *, generator: torch.Generator | None = None) -> Tensor:
         """-> noise [B, H1, W1, L] (CPU float32), L = H3*W3 cost-map tokens per source pixel."""
@@ -126,7 +131,7 @@ class CostMaskGenerator:
         n_keep = int(noise.shape[-1] * (1 - self.mask_ratio))
         if n_keep < 1:
             raise ValueError(
-                f"mask_ratio={self.mask_ratio} keeps no cost-map patch out of {noise.shape[-1]}; lower it."
+                f"model.mask_ratio={self.mask_ratio} keeps no cost-map patch out of {noise.shape[-1]}; lower it."
             )
         return TokenMask.from_noise(noise.reshape(-1, noise.shape[-1]), self.mask_ratio)
 

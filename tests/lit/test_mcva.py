@@ -214,6 +214,26 @@ def test_clear_errors_for_a_backbone_without_head_and_for_bad_sizes():
         make_module(query_num=0)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        # each failed at the first step (the noise's own check, or torch.cat of no patch), naming no setting
+        ({"min_block": 20}, r"^model.min_block=20, model.max_block=15: expected 1 <= min_block <= max_block"),
+        ({"max_block": 0}, r"^model.min_block=4, model.max_block=0: expected"),
+        ({"num_logged_patches": 0}, r"^model.num_logged_patches=0: expected a whole number >= 1$"),
+        # a negative interval logged pictures (Python's modulo) where 0 logs none
+        ({"log_images_every_n_steps": -5}, r"^model.log_images_every_n_steps=-5: expected a whole number >= 0$"),
+    ],
+)
+def test_masking_and_picture_settings_are_checked_when_the_module_is_built(settings, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(**settings)
+
+
+def test_block_sizes_do_not_matter_to_random_masking():
+    make_module(masking="random", min_block=20)
+
+
 def test_panels_show_patches_transposed_and_blocks_as_colours():
     predictions = torch.arange(9.0).reshape(1, 9, 1, 1).expand(1, 9, 5, 5)
     panel = patch_panel(predictions, predictions, num_pixels=2)
