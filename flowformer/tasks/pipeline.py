@@ -123,7 +123,7 @@ import lightning as L
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import MissingConfigException
+from hydra.errors import HydraException, MissingConfigException
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
     LSFEnvironment,
@@ -133,6 +133,7 @@ from lightning.fabric.plugins.environments import (
 )
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
@@ -194,7 +195,7 @@ def read_stages(settings: DictConfig) -> list[Stage]:
         if isinstance(entry, str):
             stages.append(Stage(entry, [f"experiment={entry}"]))
         elif isinstance(entry, DictConfig) and "name" in entry and "overrides" in entry:
-            stages.append(Stage(str(entry.name), [str(override) for override in entry.overrides]))
+            stages.append(Stage(str(entry.name), override_list(entry.overrides, f"pipeline.stages[{index}].overrides")))
         else:
             raise ValueError(
                 f"pipeline.stages[{index}] = {entry!r}: expected an experiment name (e.g. chairs) or "
@@ -213,6 +214,17 @@ def read_stages(settings: DictConfig) -> list[Stage]:
             "they must be distinct plain folder names (no '/', not starting with eval_)"
         )
     return stages
+
+
+def override_list(value: Any, setting: str) -> list[str]:
+    """A config's list of overrides as strings; anything else (one string, which would be read letter by letter
+    as overrides 'd', 'e', ...) is one line naming `setting`."""
+    if not isinstance(value, (ListConfig, list)):
+        raise ValueError(  # noqa: TRY004 - a setting's error, which run.py reports in one line
+            f"{setting}={value!r}: expected a list of overrides, e.g. [backbone=flowformer_pp,trainer.max_steps=100] "
+            "(in a command, quoted: '[\"backbone=flowformer_pp\"]')"
+        )
+    return [str(override) for override in value]
 
 
 def missing_config(error: MissingConfigException) -> str:
@@ -234,7 +246,7 @@ def row_overrides(cfg: DictConfig) -> list[str]:
         for override in HydraConfig.get().overrides.task:
             if override_key(override).split(".")[0].split("/")[0] not in JOB_KEYS:
                 job.append(override)
-    return [*(str(override) for override in cfg.pipeline.row), *job]
+    return [*override_list(cfg.pipeline.row, "pipeline.row"), *job]
 
 
 def takes(override: str, probe: DictConfig, pretraining_only: Collection[str] = ()) -> bool:
@@ -465,8 +477,6 @@ def train_stage(
     run that stage again rather than this pipeline; or, when a launcher started this job's processes
     (`launched`), here and in the others (`follow`). Returns (its last.ckpt, the trainer's last logged values),
     as its StageResult wrote them."""
-    if stage_cfg.task not in ("train", "pretrain"):
-        raise ValueError(f"task={stage_cfg.task}: a pipeline stage trains (task=train or task=pretrain)")
     if launched:
         send_to_followers(stage_cfg)
     try:
@@ -562,8 +572,11 @@ class Pipeline:
         self.run_dir = run_dir
         self.resume_dir = resume_dir or run_dir
         self.stages = stages
-        self.shared = [str(override) for override in cfg.pipeline.shared]
-        self.evaluate = {str(label): [str(o) for o in overrides] for label, overrides in cfg.pipeline.evaluate.items()}
+        self.shared = override_list(cfg.pipeline.shared, "pipeline.shared")
+        self.evaluate = {
+            str(label): override_list(overrides, f"pipeline.evaluate.{label}")
+            for label, overrides in cfg.pipeline.evaluate.items()
+        }
         written = row_overrides(cfg)  # the record's row: what task=report matches the paper's rows on
         substitutes = {str(override): str(run) for override, run in cfg.pipeline.substitutes.items()}
         self.row = [substitutes.get(override, override) for override in written]  # what the runs take
@@ -709,23 +722,36 @@ class Pipeline:
         return handoff, result
 
     def plan(self) -> None:
-        """Composes every stage as it will run, each from the last.ckpt its previous stage writes, refuses a
-        global batch that does not divide, and logs the plan: stages, steps, batches, estimated GPU-hours
-        (flowformer/tasks/pipeline_plan.py)."""
+        """Composes every stage as it will run, each from the last.ckpt its previous stage writes, and every
+        evaluation of the last one, so that an override they cannot run is one line before any work (not after
+        the training, for an evaluation's); refuses a stage that does not train and a global batch that does not
+        divide, and logs the plan: stages, steps, batches, estimated GPU-hours (flowformer/tasks/pipeline_plan.py)."""
         plans, init_from = [], None
         for stage in self.stages:
             stage_dir = self.run_dir / stage.name
             handoff, result = self.stage_inputs(stage, init_from)
-            try:
-                stage_cfg, _, _ = self.compose(stage.overrides, handoff, stage_dir, result)
-            except MissingConfigException as error:  # `pipeline.stages=[chairs,chiars]`: Hydra's error, one line
-                raise ValueError(
-                    f"pipeline stage {stage.name} ({' '.join(stage.overrides)}) names a config that does not "
-                    f"exist: {missing_config(error)}"
-                ) from None
+            where = f"pipeline stage {stage.name} ({' '.join(stage.overrides)})"
+            stage_cfg = self.compose_planned(where, stage.overrides, handoff, stage_dir, result)
+            if stage_cfg.task not in ("train", "pretrain"):
+                raise ValueError(f"{where}: task={stage_cfg.task}, where a stage trains (task=train or task=pretrain)")
             plans.append(stage_plan(stage.name, stage_cfg, self.cfg.pipeline.step_time))
             init_from = stage_dir / "checkpoints" / "last.ckpt"
+        for label, overrides in self.evaluate.items():
+            where = f"pipeline evaluation {label} ({' '.join(overrides)})"
+            checkpoint = [f"eval.checkpoint={path_value(init_from)}"]
+            self.compose_planned(where, ["task=eval", *overrides], checkpoint, self.run_dir / f"eval_{label}")
         log_plan(self.run_dir, plans, list(self.evaluate))
+
+    def compose_planned(self, where: str, own: list[str], *inputs: Any) -> DictConfig:
+        """`compose` for the plan: Hydra's error where `own` names a config that does not exist
+        (`pipeline.stages=[chairs,chiars]`), an override it cannot parse or a key the config does not have,
+        as one line naming `where`."""
+        try:
+            return self.compose(own, *inputs)[0]
+        except MissingConfigException as error:
+            raise ValueError(f"{where} names a config that does not exist: {missing_config(error)}") from None
+        except (HydraException, OmegaConfBaseException) as error:
+            raise ValueError(f"{where}: {' '.join(str(error).split())}") from None
 
     def run_stage(self, index: int, stage: Stage, init_from: Path | None) -> Path:
         """Stage `index` (from 1), started from `init_from`: skipped when it finished from that very checkpoint,

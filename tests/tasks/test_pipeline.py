@@ -228,6 +228,57 @@ def test_a_misspelt_stage_is_one_line_and_leaves_no_run_directory(tmp_path):
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # composed after every stage had trained: a misspelt `eval=` failed at the table's end, in Hydra's 12
+        # lines, the record left "running"
+        (
+            ['pipeline.evaluate.plain=["eval=sintell"]'],
+            (
+                "pipeline evaluation plain (eval=sintell) names a config that does not exist: In 'config': Could not "
+                "find 'eval/sintell'; Available options in 'eval': flowformer, flowformer_pp, synthetic"
+            ),
+        ),
+        # one string of overrides where no list is shipped was read letter by letter, as overrides 'e', 'v', ...
+        (
+            ['+pipeline.evaluate.more="eval=synthetic"'],
+            (
+                "pipeline.evaluate.more='eval=synthetic': expected a list of overrides, e.g. "
+                """[backbone=flowformer_pp,trainer.max_steps=100] (in a command, quoted: '["backbone=flowformer_pp"]')"""
+            ),
+        ),
+        (['pipeline.stages=[{name:a,overrides:"debug=tiny"}]'], "pipeline.stages[0].overrides='debug=tiny': expected a list"),
+        # Hydra's errors, its run directory left
+        (
+            ['pipeline.stages=[{name:a,overrides:["debug=tiny","tiny"]}]'],
+            "pipeline stage a (debug=tiny tiny): Error parsing override 'tiny' missing EQUAL at '<EOF>'",
+        ),
+        (
+            ['pipeline.stages=[{name:a,overrides:["debug=tiny","trainer.max_stepz=3"]}]'],
+            "pipeline stage a (debug=tiny trainer.max_stepz=3): Could not override 'trainer.max_stepz'.",
+        ),
+        # int()'s "invalid literal for int() with base 10: 'abc'"
+        (
+            ['pipeline.stages=[{name:a,overrides:["debug=tiny","trainer.max_steps=abc"]}]'],
+            "pipeline stage a: trainer.max_steps='abc': expected a whole number",
+        ),
+        # refused as the stage started, after the stages before it had trained
+        (
+            ['pipeline.stages=[chairs,{name:a,overrides:["debug=tiny","task=eval"]}]'],
+            "pipeline stage a (debug=tiny task=eval): task=eval, where a stage trains (task=train or task=pretrain)",
+        ),
+    ],
+)
+def test_stages_and_evaluations_that_cannot_run_are_one_line_before_any_training(overrides, message, tmp_path):
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("task=pipeline", "protocol=smoke", *overrides, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("[")]
+    assert len(lines) == 1 and lines[0].startswith(f"error (ValueError): {message}"), result.stderr[-3000:]
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 # Each protocol's stages as (name, task, variant, steps), and its evaluations' tiling: the paper's numbers.
 PROTOCOLS = {
     "paper_ablation": ([("chairs", "train", "flowformer", 100000), ("things", "train", "flowformer", 60000)], [False, True]),
