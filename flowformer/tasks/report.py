@@ -344,13 +344,14 @@ def read_job(job_dir: Path) -> Job:
         raise UnreadableFile(overrides_yaml, f"expected the list of the job's overrides, found {found}")
     with reading(hydra_yaml):
         hydra_cfg = read_yaml(hydra_yaml)["hydra"] if hydra_yaml.is_file() else {}
+        number = (hydra_cfg.get("job") or {}).get("num")  # a single run's is Hydra's mark of no value, '???'
         job = Job(
             name=job_dir.name,
             directory=job_dir,
             overrides=[str(item) for item in overrides],
             row=[str(item) for item in overrides],
             sweep=((hydra_cfg.get("runtime") or {}).get("choices") or {}).get("sweep"),
-            number=(hydra_cfg.get("job") or {}).get("num"),
+            number=number if isinstance(number, int) else None,
         )
     record_path = job_dir / PIPELINE_RECORD
     record = read_json(record_path)
@@ -388,17 +389,32 @@ def failed_records(runs: Path) -> tuple[list[dict[str, Any]], list[Job]]:
     return records, damaged
 
 
+# The tasks whose runs give no result a report could hold (a folder of assorted runs, `report.runs=logs`, holds
+# the report's own runs too).
+TASKS_WITHOUT_RESULTS = ("report", "infer", "bench", "convert")
+
+
 def read_jobs(runs: Path) -> list[Job]:
     """Every job of `runs`, with a progress bar over the folders read; failed jobs (failed_jobs.jsonl) are
     marked so, those that left no folder are listed from their record, and each job (or failed_jobs.jsonl
-    line) with a damaged file is listed as unreadable with that file and why."""
-    jobs = []
+    line) with a damaged file is listed as unreadable with that file and why. Runs of TASKS_WITHOUT_RESULTS are
+    left out, in one line."""
+    jobs, left_out = [], []
     console = Console(stderr=True)
     for folder in track(job_directories(runs), "reading jobs", console=console, transient=True):
         try:
-            jobs.append(read_job(folder))
+            job = read_job(folder)
         except UnreadableFile as error:
             jobs.append(unreadable_job(folder.name, folder, error))
+            continue
+        tasks = [override.partition("=")[2] for override in job.overrides if override_key(override) == "task"]
+        if tasks and tasks[-1] in TASKS_WITHOUT_RESULTS:
+            left_out.append(f"task={tasks[-1]}")
+        else:
+            jobs.append(job)
+    if left_out:
+        kinds = ", ".join(f"{left_out.count(task)} {task}" for task in sorted(set(left_out)))
+        log.info("%s: %d runs of tasks that give no result left out (%s)", runs, len(left_out), kinds)
     by_number = {job.number: job for job in jobs}
     records, damaged = failed_records(runs)
     for record in records:

@@ -225,3 +225,20 @@ def test_with_wandb_the_report_is_a_wandb_table_in_the_tables_group(tmp_path, mo
         "data": [["pipeline.paper_row=no_agt_pe", "done", 1.25, None]],
     }
     assert report.log_to_wandb(report_config(tmp_path), "paper_pe", rows, None) is None  # logger=csv: no run
+
+
+def test_a_folder_of_assorted_runs_reports_its_training_runs_and_leaves_out_the_others(tmp_path):
+    """`report.runs=logs`: a multirun's jobs (numbered) beside a single run (whose Hydra job number is '???')
+    failed to sort (a TypeError traceback), and the report's own earlier runs were jobs "running"."""
+    checkout = fresh_checkout(tmp_path)
+    tiny = ("debug=tiny", "trainer.max_steps=1", "trainer.val_check_interval=1")
+    run_py("-m", *tiny, "seed=1,2", cwd=checkout)
+    run_py(*tiny, cwd=checkout)
+    [single] = (checkout / "logs" / "train" / "default" / "runs").iterdir()
+    run_py("task=report", f"report.runs={single}", cwd=checkout)
+    result = run_py("task=report", "report.runs=logs", cwd=checkout)
+    assert "report: 3 jobs: 3 done -> logs/report.md" in result.stdout
+    # the earlier report's run and this one's
+    assert "logs: 2 runs of tasks that give no result left out (2 task=report)" in result.stdout
+    with (checkout / "logs" / "report.csv").open(newline="") as file:
+        assert sorted(row["job"] for row in csv.DictReader(file)) == sorted(["seed=1", "seed=2", single.name])
