@@ -69,8 +69,10 @@ def _check_kind(kind: str | None, allow_none: bool = False) -> None:
         raise ValueError(f"evaluation kind {kind!r} is unknown; expected one of {', '.join(kinds())}")
 
 
-def _check_pad_mode(mode: str | None, what: str) -> None:
-    if mode is not None and mode not in DEFAULT_FILL:
+def check_pad_mode(mode: str | None, what: str, optional: bool = False) -> None:
+    """A padding mode of flowformer/eval/padding.py (or, where `optional`, None), else a ValueError naming the
+    setting `what`."""
+    if not (optional and mode is None) and mode not in DEFAULT_FILL:
         raise ValueError(f"{what}={mode!r} is unknown; expected one of {sorted(DEFAULT_FILL)}")
 
 
@@ -99,8 +101,8 @@ class Protocol:
 
     def __post_init__(self) -> None:
         _check_kind(self.kind, allow_none=True)
-        _check_pad_mode(self.pad_mode, "pad_mode")
-        _check_pad_mode(self.tile_pad_mode, "tile_pad_mode")
+        check_pad_mode(self.pad_mode, "pad_mode")
+        check_pad_mode(self.tile_pad_mode, "tile_pad_mode", optional=True)
         if self.tile and self.tile_size is None:
             raise ValueError("tiled evaluation needs the set's tile_size, e.g. [432, 960] for Sintel")
 
@@ -235,8 +237,8 @@ class EvalSet(Dataset):
         tile_pad_mode: PadMode | None = None,
     ) -> None:
         _check_kind(kind)
-        _check_pad_mode(pad_mode, "pad_mode")
-        _check_pad_mode(tile_pad_mode, "tile_pad_mode")
+        check_pad_mode(pad_mode, "pad_mode")
+        check_pad_mode(tile_pad_mode, "tile_pad_mode", optional=True)
         self.dataset = dataset
         self.kind = kind
         self.iters = None if iters is None else whole_number(iters, "iters")

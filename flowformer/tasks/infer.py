@@ -47,7 +47,7 @@ from flowformer.data.io import (
     write_kitti_flow,
 )
 from flowformer.data.video_datasets import VIDEO_SUFFIXES, image_frames, stated_frame_count
-from flowformer.eval.protocol import Protocol, WarmStart, require_finite_flow
+from flowformer.eval.protocol import Protocol, WarmStart, check_pad_mode, require_finite_flow
 from flowformer.setting_types import whole_number
 from flowformer.stop_signals import StoppedBySignal, StopSignals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing, run_owner
@@ -177,6 +177,7 @@ def check_settings(settings: DictConfig) -> None:
         raise ValueError(f"infer.format={settings.format!r}: expected 'flo' or 'kitti'")
     if whole_number(settings.iters, "infer.iters") < 1:
         raise ValueError(f"infer.iters={settings.iters}: the decoder iterations must be >= 1")
+    check_pad_mode(settings.pad_mode, "infer.pad_mode")
     if settings.save_video and not settings.video_fps > 0:
         raise ValueError(
             f"infer.video_fps={settings.video_fps}: expected frames per second > 0 (or infer.save_video=false)"

@@ -285,6 +285,23 @@ def test_a_count_below_its_least_is_one_line_before_any_work(tmp_path, command, 
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize("pad_mode", ["null", "sintell"])
+def test_an_unknown_infer_padding_is_one_line_before_any_work(tmp_path, pad_mode):
+    """`infer.pad_mode=null` failed at the first pair, the network built and the output folder made;
+    `sintell` was refused naming no setting ("padding mode 'sintell' is unknown")."""
+    checkout = fresh_checkout(tmp_path)
+    command = ["task=infer", "backbone=tiny", "infer.checkpoint=x.ckpt", "infer.input=[a.png,b.png]"]
+    result = run_py(*command, f"infer.pad_mode={pad_mode}", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    value = None if pad_mode == "null" else pad_mode
+    expected = (
+        f"error (ValueError): infer.pad_mode={value!r} is unknown; expected one of ['default', 'downzero', "
+        "'kitti376', 'kitti400', 'kitti432', 'sintel']"
+    )
+    assert error_lines(result.stderr) == [expected]
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
