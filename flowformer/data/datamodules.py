@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from flowformer.data.loader_settings import LoaderSettings, check_loader_settings, resolve_loader_settings
 from flowformer.data.sampling import ResumableSampler
+from flowformer.setting_types import count_at_least
 from flowformer.stop_signals import worker_ignores_stop_signals
 
 __all__ = ["FlowDataModule", "PretrainDataModule"]
@@ -72,11 +73,6 @@ def start_worker(worker_id: int, rank: int) -> None:
         pl_worker_init_function(worker_id, rank)
 
 
-def _check_batch_size(owner: str, batch_size: int) -> None:
-    if batch_size < 1:
-        raise ValueError(f"{owner}: batch_size must be >= 1, got {batch_size} (set data.batch_size)")
-
-
 class _TrainingData(L.LightningDataModule):
     """The training set, the DataLoader settings shared by both modules, and the resumable training loader."""
 
@@ -90,7 +86,7 @@ class _TrainingData(L.LightningDataModule):
         persistent_workers: bool = True,
         prefetch_factor: int = 2,
     ) -> None:
-        _check_batch_size(type(self).__name__, batch_size)
+        count_at_least(batch_size, "data.batch_size", 1)
         check_loader_settings(type(self).__name__, num_workers, pin_memory, prefetch_factor)
         super().__init__()
         self.train_set = train
@@ -214,7 +210,7 @@ class FlowDataModule(_TrainingData):
         **loader_settings: Any,
     ) -> None:
         super().__init__(train=train, batch_size=batch_size, **loader_settings)
-        _check_batch_size("FlowDataModule (val)", val_batch_size)
+        count_at_least(val_batch_size, "data.val_batch_size", 1)
         self.val_sets: dict[str, Dataset] = {str(name): dataset for name, dataset in (val or {}).items()}
         for name, dataset in self.val_sets.items():
             if isinstance(dataset, Mapping):  # a config node Hydra left as it is: it names no class

@@ -53,7 +53,7 @@ from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
 from flowformer.models.output_files import atomic_write_text
-from flowformer.setting_types import whole_number
+from flowformer.setting_types import count_at_least, whole_number
 from flowformer.stop_signals import deferred_stop, stopping_at_once, worker_ignores_stop_signals
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 from flowformer.tasks.runtime import (
@@ -316,9 +316,14 @@ def write_results(
 
 
 def check_outputs(settings: DictConfig, protocols: list[Protocol], submission_dir: Path | None) -> None:
-    """Before any work: eval.results_json is not the checkpoint, and an existing results file or submission
-    folder (sintel/, kitti/) that this run would write is kept unless eval.overwrite=true."""
+    """Before any work: eval.results_json is not the checkpoint nor a folder, and an existing results file or
+    submission folder (sintel/, kitti/) that this run would write is kept unless eval.overwrite=true."""
     results_json = Path(settings.results_json)
+    if results_json.is_dir():  # with eval.overwrite=true it failed once every set was evaluated
+        raise OutputPathError(
+            f"eval.results_json={results_json} is a folder: give the results file's path, e.g. "
+            f"eval.results_json={results_json / 'eval_results.json'}"
+        )
     if settings.get("checkpoint") and results_json.resolve() == Path(settings.checkpoint).resolve():
         raise OutputPathError(
             f"eval.results_json {results_json} is eval.checkpoint: the results would replace the weights "
@@ -352,6 +357,7 @@ def evaluate(cfg: DictConfig) -> float | None:
     settings = cfg.eval
     sets = open_sets(settings)
     methods = baseline_methods(settings.get("baselines") or [])
+    count_at_least(settings.num_workers, "eval.num_workers", 0)  # torch's own error names no setting
     ensure_writable_dir(Path(settings.results_json).parent, "the folder of eval.results_json")
     submission_dir = None
     if settings.get("submission_dir"):

@@ -166,8 +166,11 @@ def test_flow_datamodule_order_batches_and_errors() -> None:
         FlowDataModule(val=val).train_dataloader()
     with pytest.raises(ValueError, match="data.batch_size"):
         FlowDataModule(train=train, batch_size=8).train_dataloader()
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match=r"^data.batch_size=0: expected a whole number >= 1$"):
         PretrainDataModule(train=SyntheticVideoDataset(num_samples=2, size=(16, 24)), batch_size=0)
+    # named data.batch_size ("FlowDataModule (val): batch_size must be >= 1, got 0 (set data.batch_size)")
+    with pytest.raises(ValueError, match=r"^data.val_batch_size=0: expected a whole number >= 1$"):
+        FlowDataModule(train=train, val=val, batch_size=2, val_batch_size=0)
 
 
 def test_a_validation_set_whose_config_names_no_class_is_refused_naming_it() -> None:

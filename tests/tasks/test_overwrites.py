@@ -308,6 +308,19 @@ def test_eval_never_writes_its_checkpoint_even_with_overwrite(tmp_path, checkpoi
     assert checkpoint.read_bytes() == before
 
 
+def test_eval_refuses_a_folder_as_its_results_file_before_any_work(tmp_path, checkpoint, capsys):
+    """With eval.overwrite=true, `eval.results_json=<a folder>` evaluated every set, then failed to write
+    ("cannot write <folder> (Is a directory) ... Free disk space or choose another location")."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    overrides = (f"eval.checkpoint={checkpoint}", f"eval.results_json={folder}", "eval.overwrite=true")
+    error = refusal(eval_config(tmp_path, *overrides), capsys)
+    assert error == (
+        f"error (OutputPathError): eval.results_json={folder} is a folder: give the results file's path, e.g. "
+        f"eval.results_json={folder / 'eval_results.json'}"
+    )
+
+
 def test_eval_keeps_an_earlier_submission_unless_overwrite(tmp_path, capsys):
     data = tmp_path / "data"
     write_frames(data / "Sintel" / "test" / "clean" / "alley_9", ["frame_0001.png", "frame_0002.png"])
