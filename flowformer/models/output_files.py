@@ -67,6 +67,8 @@ def atomic_write(path: str | os.PathLike, advice: str = DEFAULT_ADVICE) -> Itera
     """A binary file to write ``path``'s new content into; it replaces ``path`` when the block ends without an
     error (parent folders are created). A failed write raises :class:`OutputWriteError` ending in ``advice``."""
     path = Path(path)
+    if path.is_dir():  # os.replace would fail once every byte is written, which "free disk space" does not help
+        raise OutputWriteError(path, f"cannot write {path}: it is a folder, where a file is expected; give a file's path")
     partial = partial_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

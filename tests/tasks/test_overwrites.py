@@ -162,6 +162,20 @@ def test_convert_never_writes_its_input_even_with_overwrite(official, capsys):
     assert official.read_bytes() == before
 
 
+def test_a_folder_given_for_an_output_file_is_named_so_and_left_untouched(official, tmp_path, capsys):
+    """`convert.output=<a folder> convert.overwrite=true` wrote the whole checkpoint beside it, then failed to
+    rename it over the folder: "cannot write <folder> (Is a directory) ... Free disk space or choose another
+    location". Every file the package writes goes through the same writer (flowformer/models/output_files.py)."""
+    folder = tmp_path / "converted"
+    (folder / "kept").mkdir(parents=True)
+    error = refusal(convert_config(official, folder, "convert.overwrite=true"), capsys)
+    assert error == (
+        f"error (OutputWriteError): cannot write {folder}: it is a folder, where a file is expected; give a file's path"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["converted", "released.pth"]  # no partial file
+    assert [path.name for path in folder.iterdir()] == ["kept"]
+
+
 def test_convert_keeps_an_existing_output_unless_overwrite(official, tmp_path, capsys):
     output = tmp_path / "ours.ckpt"
     output.write_bytes(b"an earlier conversion")
