@@ -78,6 +78,7 @@ from flowformer.stop_signals import STOP_SIGNALS, StoppedBySignal, StopSignals
 from flowformer.tasks.runtime import (
     InferenceContext,
     autocast_context,
+    check_precision,
     compile_network,
     compiled_parts,
     configure_runtime,
@@ -447,13 +448,18 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"bench.mode={bench.mode!r}: expected one of {MODES}")
     for key, least in (("iters", 1), ("repeats", 1), ("warmup", 0), ("batch_size", 1), ("profile_steps", 0)):
         count_at_least(bench[key], f"bench.{key}", least)
+    for key in ("sizes", "memory_budgets_gb", "activation_checkpoints", "precisions"):  # their product: the rows
+        if not bench[key]:
+            raise ValueError(f"bench.{key} is empty: the rows are its values times the others'; give at least one")
     for size in bench.sizes:
         pair = OmegaConf.is_list(size) and len(size) == 2 and all(isinstance(side, int) for side in size)
-        if not pair or size[0] % 8 or size[1] % 8:
+        if not pair or size[0] % 8 or size[1] % 8 or min(size) <= 0:
             raise ValueError(
-                f"bench.sizes: each size is [height, width], both multiples of 8 (bench.sizes=[[368,496]]); got "
-                f"{OmegaConf.to_container(size) if OmegaConf.is_config(size) else size!r}"
+                f"bench.sizes: each size is [height, width], both positive multiples of 8 (bench.sizes=[[368,496]]); "
+                f"got {OmegaConf.to_container(size) if OmegaConf.is_config(size) else size!r}"
             )
+    for precision in bench.precisions:
+        check_precision(precision, "bench.precisions")
     if cfg.runtime.compile and bench.warmup < 1:
         raise ValueError("runtime.compile=true needs bench.warmup >= 1: the first step compiles (not timed)")
 

@@ -51,13 +51,18 @@ def pick_device(name: str, setting: str) -> torch.device:
 PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
+def check_precision(precision: str, setting: str) -> None:
+    """'32-true' or a key of PRECISION_DTYPES, else a ValueError naming `setting` (e.g. 'eval.precision')."""
+    if precision != "32-true" and precision not in PRECISION_DTYPES:
+        raise ValueError(f"{setting}={precision!r}: expected one of 32-true, {', '.join(PRECISION_DTYPES)}")
+
+
 def autocast_context(device: torch.device, precision: str, setting: str) -> AbstractContextManager:
     """'32-true' -> no autocast; 'bf16-mixed' / '16-mixed' -> autocast in that dtype (as the trainer does).
     `setting` names the config key the precision came from, for the error message (e.g. 'eval.precision')."""
+    check_precision(precision, setting)
     if precision == "32-true":
         return nullcontext()
-    if precision not in PRECISION_DTYPES:
-        raise ValueError(f"{setting}={precision!r}: expected one of 32-true, {', '.join(PRECISION_DTYPES)}")
     return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
 
 

@@ -13,7 +13,7 @@ from flowformer.models.build import ACTIVATION_CHECKPOINT_STAGES
 from flowformer.tasks import bench
 
 from helpers.compose import compose_tiny_config
-from helpers.run import start_run_py
+from helpers.run import fresh_checkout, run_py, start_run_py
 
 
 def config(*overrides: str):
@@ -145,6 +145,25 @@ def test_bench_training_modes_step_the_weights(mode, extra):
     assert changed and all(net.get_parameter(n).grad is not None for n in changed)
     # MCVA keeps its image/context encoders frozen; a supervised step trains them
     assert any(n.startswith("context_encoder.") for n in changed) == (mode == "train")
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        # no row: an IndexError traceback once the (empty) table was written
+        ("bench.sizes=[]", "bench.sizes is empty: the rows are its values times the others'; give at least one"),
+        # each row measured, then recorded failed, the run ending well
+        ("bench.sizes=[[-64,96]]", "bench.sizes: each size is [height, width], both positive multiples of 8"),
+        ("bench.precisions=[fp8]", "bench.precisions='fp8': expected one of 32-true, bf16-mixed, 16-mixed"),
+    ],
+)
+def test_settings_that_make_no_row_are_one_line_before_any_work(tmp_path, setting, expected):
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("task=bench", "backbone=tiny", setting, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[")]
+    assert line.startswith(f"error (ValueError): {expected}"), line
+    assert list((checkout / "logs").rglob("*")) == []
 
 
 def test_bench_rejects_pretrain_without_mcva_and_bad_sizes(tmp_path):
