@@ -70,15 +70,21 @@ class PreparedRun:
     monitor: str
 
 
+# What the run passes to lightning.Trainer itself, besides cfg.trainer.
+TRAINER_PARTS = ("logger", "callbacks", "plugins")
+
+
 def prepare_run(cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule) -> PreparedRun:
     """Everything `trainer.fit(model, datamodule)` needs around them, checked before any training: the run and
     checkpoint directories are writable, the run record is written, cfg.monitor is resolved, `ckpt_path` fits
     `model`, and the trainer holds the configured loggers and callbacks (with the random states for an exact
     resume, Preemption for the stop signals, and DataWait, how long each step waited for its data); the loggers
     get the whole config, and a wandb run's id is stored beside the checkpoints."""
+    check_setting_types(cfg.trainer, "trainer", given_elsewhere=TRAINER_PARTS)  # before the values are compared
     if cfg.trainer.get("max_steps") is not None:  # 1e5 on the command line: the whole number Lightning counts to
         cfg.trainer.max_steps = whole_number(cfg.trainer.max_steps, "trainer.max_steps")
     check_validation_interval(cfg.trainer.get("val_check_interval"), cfg.trainer.get("check_val_every_n_epoch", 1))
+    check_gradient_clipping(cfg.trainer.get("gradient_clip_val"))
     output_dir = check_output_dirs(cfg)
     write_run_record(cfg, output_dir, parameter_counts(model), memory_settings(model))
     warn_random_twins(cfg)
@@ -153,8 +159,9 @@ def seed_run(seed: int) -> None:
 def check_validation_interval(interval: float | None, every_n_epochs: int | None = 1) -> None:
     """trainer.val_check_interval: a number of training steps (>= 1), a fraction of an epoch, or null;
     trainer.check_val_every_n_epoch: a whole number of epochs >= 1 (Lightning takes 0 and divides by it as the
-    first epoch ends), or null."""
-    if interval is not None and interval <= 0:
+    first epoch ends), or null. An interval of time (Lightning 2.6 takes a string or a mapping) is Lightning's to
+    check."""
+    if isinstance(interval, int | float) and interval <= 0:
         raise ValueError(
             f"trainer.val_check_interval={interval}: expected a number of training steps >= 1, a fraction of "
             "an epoch in (0, 1], or null (once an epoch)"
@@ -163,6 +170,17 @@ def check_validation_interval(interval: float | None, every_n_epochs: int | None
         raise ValueError(
             f"trainer.check_val_every_n_epoch={every_n_epochs}: expected a whole number of epochs >= 1, or null "
             "(validation every trainer.val_check_interval steps alone)"
+        )
+
+
+def check_gradient_clipping(norm: float | None) -> None:
+    """trainer.gradient_clip_val: a gradient norm > 0, or 0 or null for no clipping. Below 0 Lightning clips
+    nothing, and torch's clip_grad_norm_ (which a fused optimiser under bf16-mixed is clipped with,
+    `BackboneModule.configure_gradient_clipping`) turns every gradient around: the step ascends the loss."""
+    if norm is not None and norm < 0:
+        raise ValueError(
+            f"trainer.gradient_clip_val={norm}: expected a gradient norm > 0 (official: 1.0), or 0 or null for no "
+            "clipping"
         )
 
 

@@ -306,6 +306,28 @@ def test_an_unknown_infer_padding_is_one_line_before_any_work(tmp_path, pad_mode
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        # Lightning clips nothing below 0; torch's clip_grad_norm_, which clips a fused optimiser under
+        # bf16-mixed, turned every gradient around with it (the step ascended the loss)
+        (
+            "trainer.gradient_clip_val=-1",
+            "trainer.gradient_clip_val=-1: expected a gradient norm > 0 (official: 1.0), or 0 or null for no clipping",
+        ),
+        # a TypeError traceback ('<=' between str and int): Lightning 2.6 takes a string, an interval of time
+        ("trainer.val_check_interval=abc", "trainer.val_check_interval"),
+    ],
+)
+def test_trainer_values_it_cannot_train_with_are_one_line_before_any_work(tmp_path, setting, expected):
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("debug=tiny", setting, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error (ValueError): ") and expected in line, line
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""
