@@ -90,6 +90,9 @@ CLAIM_FILE = ".run_claim"
 # What a run writes before it does any work: Hydra's records, logs, the run record, logger metadata.
 BOOKKEEPING = (".hydra", "config_resolved.yaml", "run_info.json", "hparams.yaml", CLAIM_FILE)
 _claim_files: list[Path] = []
+# paths.log_dir of each multirun directory this process claimed: the folders above an unused one that
+# `release_unused_claims` leaves empty there go too.
+_sweep_log_dirs: dict[Path, Path] = {}
 
 
 def remove_if_unused(run_dir: Path, log_dir: Path | None = None) -> bool:
@@ -251,11 +254,20 @@ def claim_dir(path: str | Path, setting: str, owner: str) -> None:
 
 def release_unused_claims() -> None:
     """Remove this process's claim files from directories that hold nothing else (its run wrote nothing
-    there), so the directory can be given again."""
+    there), so the directory can be given again; and a multirun's directory that holds nothing but Hydra's
+    record of the sweep (`multirun.yaml`): its first job was refused before it started (Hydra could not apply
+    its overrides, `sweep=mask_ratio` on a config without model.mask_ratio), so the sweep ran nothing."""
     while _claim_files:
         claim = _claim_files.pop()
-        if claim.is_file() and [p.name for p in claim.parent.iterdir()] == [CLAIM_FILE]:
+        if not claim.is_file():
+            continue
+        held = sorted(p.name for p in claim.parent.iterdir())
+        if held == [CLAIM_FILE]:
             claim.unlink()
+        elif held == sorted([CLAIM_FILE, "multirun.yaml"]):
+            shutil.rmtree(claim.parent, ignore_errors=True)
+            if claim.parent in _sweep_log_dirs:
+                remove_empty_parents(claim.parent, _sweep_log_dirs[claim.parent])
 
 
 def refuse_existing(outputs: Iterable[Path], setting: str, overwrite_setting: str, overwrite: bool) -> None:
@@ -297,6 +309,7 @@ class RunDirGuard(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_folder_names(config)
         check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", claim=not joins_existing_run())
+        _sweep_log_dirs[Path(config.hydra.sweep.dir)] = Path(config.paths.log_dir)
 
 
 class RunLogHandler(logging.FileHandler):

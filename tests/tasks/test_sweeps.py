@@ -10,7 +10,7 @@ from flowformer.tasks import run_task
 from flowformer.tasks.sweeps import failed_jobs
 
 from helpers.compose import compose_run_config
-from helpers.run import run_py
+from helpers.run import fresh_checkout, run_py
 
 
 def test_failed_jobs_are_recorded_and_the_sweep_goes_on(tmp_path):
@@ -54,3 +54,13 @@ def test_a_failed_job_hands_the_sweeper_nan(tmp_path):
         HydraConfig.instance().cfg = None
     [record] = failed_jobs(tmp_path)
     assert record["job"] == 0 and "task='nonsense' is unknown" in record["error"]
+
+
+def test_a_sweep_whose_first_job_hydra_refuses_leaves_no_directory(tmp_path):
+    """`python run.py -m debug=tiny sweep=mask_ratio`: the sweep's value is for MCVA (model.mask_ratio), which the
+    supervised config does not have. Hydra refuses the first job before it starts and ends the sweep, which left
+    logs/train/default/multiruns/<time>/ holding only its claim and Hydra's multirun.yaml."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("-m", "debug=tiny", "sweep=mask_ratio", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Could not override 'model.mask_ratio'" in result.stderr
+    assert list((checkout / "logs").rglob("*")) == []
