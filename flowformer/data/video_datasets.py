@@ -27,6 +27,7 @@ from flowformer.data.datasets import DatasetRootError, to_chw
 from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.transforms import ImagePairAugmentor, WorkerRNG
+from flowformer.setting_types import count_at_least
 
 __all__ = ["VideoFolder", "YouTubeVOS", "pair_indices"]
 
@@ -51,6 +52,12 @@ def image_frames(folder: Path) -> list[Path]:
     return sorted(frames, key=frame_order)
 
 
+def check_pair_spacing(frame_gap: int, stride: int) -> None:
+    """A pretraining video set's pair spacing (data.train.frame_gap, data.train.stride): whole numbers >= 1."""
+    count_at_least(frame_gap, "data.train.frame_gap", 1)
+    count_at_least(stride, "data.train.stride", 1)
+
+
 def pair_indices(
     num_frames: int, *, frame_gap: int, stride: int, both_directions: bool, end: int | None = None
 ) -> list[tuple[int, int]]:
@@ -58,8 +65,7 @@ def pair_indices(
 
     ``end`` defaults to ``num_frames``; YouTube-VOS uses ``num_frames - 1`` like the official loop.
     """
-    if frame_gap < 1 or stride < 1:
-        raise ValueError(f"frame_gap and stride must be >= 1, got frame_gap={frame_gap}, stride={stride}")
+    check_pair_spacing(frame_gap, stride)
     pairs: list[tuple[int, int]] = []
     for i in range(frame_gap, num_frames if end is None else end, stride):
         pairs.append((i - frame_gap, i))
@@ -213,6 +219,7 @@ class YouTubeVOS(_PairDataset):
         augmentor: ImagePairAugmentor | None = None,
         max_skips: int = 100,
     ) -> None:
+        check_pair_spacing(frame_gap, stride)  # before the root is searched: a setting, not the data
         super().__init__(root=root, augmentor=augmentor, max_skips=max_skips)
         if isinstance(splits, str) or not splits:
             raise ValueError(f"YouTubeVOS: splits must be a non-empty list of folder names, got {splits!r}")
@@ -263,6 +270,7 @@ class VideoFolder(_PairDataset):
         augmentor: ImagePairAugmentor | None = None,
         max_skips: int = 100,
     ) -> None:
+        check_pair_spacing(frame_gap, stride)  # before the root is searched: a setting, not the data
         super().__init__(root=root, augmentor=augmentor, max_skips=max_skips)
         folders = [self.root, *sorted(p for p in self.root.rglob("*") if p.is_dir())]
         unusable: list[str] = []  # video files OpenCV cannot open, or with too few frames for a pair

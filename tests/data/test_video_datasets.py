@@ -31,6 +31,15 @@ def test_pair_indices_official_youtube_rule() -> None:
         pair_indices(4, frame_gap=0, stride=1, both_directions=False)
 
 
+@pytest.mark.parametrize("dataset", [VideoFolder, YouTubeVOS])
+@pytest.mark.parametrize(("spacing", "message"), [({"frame_gap": 0}, "data.train.frame_gap=0"), ({"stride": -1}, "data.train.stride=-1")])
+def test_a_pair_spacing_below_one_names_its_setting_before_the_root_is_read(tmp_path, dataset, spacing, message):
+    """It was "frame_gap and stride must be >= 1", and only where a video long enough for a pair was found: a
+    root without one reported the root instead."""
+    with pytest.raises(ValueError, match=f"^{message}: expected a whole number >= 1$"):
+        dataset(root=tmp_path / "nothing here", **spacing)
+
+
 def test_youtube_vos_tree(tmp_path: Path) -> None:
     root = tmp_path / "youtube-vos"
     frames_folder(root / "train_all_frames/JPEGImages/vid_b", 14)
