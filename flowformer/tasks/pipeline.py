@@ -135,6 +135,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from flowformer.device_settings import training_device
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
@@ -724,8 +725,9 @@ class Pipeline:
     def plan(self) -> None:
         """Composes every stage as it will run, each from the last.ckpt its previous stage writes, and every
         evaluation of the last one, so that an override they cannot run is one line before any work (not after
-        the training, for an evaluation's); refuses a stage that does not train and a global batch that does not
-        divide, and logs the plan: stages, steps, batches, estimated GPU-hours (flowformer/tasks/pipeline_plan.py)."""
+        the training, for an evaluation's); refuses a stage that does not train, asks for a GPU torch does not
+        see or has a global batch that does not divide, and logs the plan: stages, steps, batches, estimated
+        GPU-hours (flowformer/tasks/pipeline_plan.py)."""
         plans, init_from = [], None
         for stage in self.stages:
             stage_dir = self.run_dir / stage.name
@@ -734,6 +736,7 @@ class Pipeline:
             stage_cfg = self.compose_planned(where, stage.overrides, handoff, stage_dir, result)
             if stage_cfg.task not in ("train", "pretrain"):
                 raise ValueError(f"{where}: task={stage_cfg.task}, where a stage trains (task=train or task=pretrain)")
+            training_device(stage_cfg.trainer)  # a GPU the stage asks for is here
             plans.append(stage_plan(stage.name, stage_cfg, self.cfg.pipeline.step_time))
             init_from = stage_dir / "checkpoints" / "last.ckpt"
         for label, overrides in self.evaluate.items():

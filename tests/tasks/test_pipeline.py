@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
@@ -262,6 +263,12 @@ def test_a_misspelt_stage_is_one_line_and_leaves_no_run_directory(tmp_path):
         (
             ['pipeline.stages=[{name:a,overrides:["debug=tiny","trainer.max_steps=abc"]}]'],
             "pipeline stage a: trainer.max_steps='abc': expected a whole number",
+        ),
+        # refused as the first stage started, the pipeline's run directory and record made
+        pytest.param(
+            ["trainer=gpu"],
+            "trainer.accelerator=gpu (trainer=gpu and trainer=ddp) asks for a GPU, but torch sees no GPU here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="asks for the GPU there is"),
         ),
         # refused as the stage started, after the stages before it had trained
         (
