@@ -152,6 +152,7 @@ from flowformer.tasks import close_loggers, find_user_error
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.run_dirs import ensure_writable_dir
+from flowformer.tasks.run_setup import check_training_types
 from flowformer.tasks.sweeps import JOB_KEYS, RECORD, in_multirun
 from flowformer.tasks.train import fit
 
@@ -725,10 +726,10 @@ class Pipeline:
     def plan(self) -> None:
         """Composes every stage as it will run, each from the last.ckpt its previous stage writes, and every
         evaluation of the last one, so that an override they cannot run is one line before any work (not after
-        the training, for an evaluation's); refuses a stage that does not train, asks for a GPU torch does not
-        see or has a global batch that does not divide, and logs the plan: stages, steps, batches, estimated
-        GPU-hours (flowformer/tasks/pipeline_plan.py)."""
-        plans, init_from = [], None
+        the training, for an evaluation's); refuses a stage that does not train or has a global batch that does
+        not divide, logs the plan (stages, steps, batches, estimated GPU-hours: flowformer/tasks/pipeline_plan.py),
+        then refuses a stage that asks for a GPU torch does not see."""
+        plans, trainers, init_from = [], [], None
         for stage in self.stages:
             stage_dir = self.run_dir / stage.name
             handoff, result = self.stage_inputs(stage, init_from)
@@ -736,14 +737,20 @@ class Pipeline:
             stage_cfg = self.compose_planned(where, stage.overrides, handoff, stage_dir, result)
             if stage_cfg.task not in ("train", "pretrain"):
                 raise ValueError(f"{where}: task={stage_cfg.task}, where a stage trains (task=train or task=pretrain)")
-            training_device(stage_cfg.trainer)  # a GPU the stage asks for is here
+            try:
+                check_training_types(stage_cfg)  # a word for a number in a later stage, before the first trains
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
             plans.append(stage_plan(stage.name, stage_cfg, self.cfg.pipeline.step_time))
+            trainers.append(stage_cfg.trainer)
             init_from = stage_dir / "checkpoints" / "last.ckpt"
         for label, overrides in self.evaluate.items():
             where = f"pipeline evaluation {label} ({' '.join(overrides)})"
             checkpoint = [f"eval.checkpoint={path_value(init_from)}"]
             self.compose_planned(where, ["task=eval", *overrides], checkpoint, self.run_dir / f"eval_{label}")
         log_plan(self.run_dir, plans, list(self.evaluate))
+        for trainer in trainers:  # after the plan, whose cost a machine without the GPUs can still tell
+            training_device(trainer)
 
     def compose_planned(self, where: str, own: list[str], *inputs: Any) -> DictConfig:
         """`compose` for the plan: Hydra's error where `own` names a config that does not exist

@@ -173,6 +173,14 @@ def check_validation_interval(interval: float | None, every_n_epochs: int | None
         )
 
 
+def check_training_types(cfg: DictConfig) -> None:
+    """The trainer.* and model.* values of a training config against the classes they build, as its run checks
+    them when it builds each (`check_setting_types`): for a pipeline's plan, before any stage trains. (data.* are
+    checked as the run starts: its global batch sets data.batch_size first, `set_per_process_batch`.)"""
+    check_setting_types(cfg.trainer, "trainer", given_elsewhere=TRAINER_PARTS)
+    check_setting_types(cfg.model, "model", given_elsewhere=("backbone",))  # the network checks its own knobs
+
+
 def check_gradient_clipping(norm: float | None) -> None:
     """trainer.gradient_clip_val: a gradient norm > 0, or 0 or null for no clipping. Below 0 Lightning clips
     nothing, and torch's clip_grad_norm_ (which a fused optimiser under bf16-mixed is clipped with,

@@ -259,10 +259,21 @@ def test_a_misspelt_stage_is_one_line_and_leaves_no_run_directory(tmp_path):
             ['pipeline.stages=[{name:a,overrides:["debug=tiny","trainer.max_stepz=3"]}]'],
             "pipeline stage a (debug=tiny trainer.max_stepz=3): Could not override 'trainer.max_stepz'.",
         ),
+        # refused as the second stage started, after the first had trained
+        (
+            ['pipeline.stages=[{name:a,overrides:["debug=tiny"]},{name:b,overrides:["debug=tiny","model.gamma=abc"]}]'],
+            (
+                "pipeline stage b (debug=tiny model.gamma=abc): model.gamma='abc' (flowformer.lit.flow.FlowModule "
+                "takes a number): set it to such a value"
+            ),
+        ),
         # int()'s "invalid literal for int() with base 10: 'abc'"
         (
             ['pipeline.stages=[{name:a,overrides:["debug=tiny","trainer.max_steps=abc"]}]'],
-            "pipeline stage a: trainer.max_steps='abc': expected a whole number",
+            (
+                "pipeline stage a (debug=tiny trainer.max_steps=abc): trainer.max_steps='abc' "
+                "(lightning.pytorch.Trainer takes a whole number): set it to such a value"
+            ),
         ),
         # refused as the first stage started, the pipeline's run directory and record made
         pytest.param(
