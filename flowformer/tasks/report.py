@@ -407,9 +407,9 @@ def read_jobs(runs: Path) -> list[Job]:
         except UnreadableFile as error:
             jobs.append(unreadable_job(folder.name, folder, error))
             continue
-        tasks = [override.partition("=")[2] for override in job.overrides if override_key(override) == "task"]
-        if tasks and tasks[-1] in TASKS_WITHOUT_RESULTS:
-            left_out.append(f"task={tasks[-1]}")
+        task = override_values(job.overrides).get("task")
+        if task in TASKS_WITHOUT_RESULTS:
+            left_out.append(f"task={task}")
         else:
             jobs.append(job)
     if left_out:
