@@ -32,10 +32,9 @@ from typing import Any
 import cv2
 import numpy as np
 import torch
-from PIL import Image
 
 from flowformer.data.datasets import to_chw
-from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, InputsGoneError, exif_orientation, read_image
+from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, InputsGoneError, image_header, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.synthetic import SyntheticFlowDataset, SyntheticVideoDataset
 from flowformer.data.transforms import FlowAugmentor, ImagePairAugmentor, WorkerRNG
@@ -169,23 +168,6 @@ def split_files(files: list[Path], root: Path, split: str, val_fraction: float, 
     return ordered[:held_out] if split == "val" else ordered[held_out:]
 
 
-def _header(path: Path) -> tuple[int, int, bool] | None:
-    """(height, width as viewers show it, upright; 8-bit channels or not) from the file's header (nothing
-    decoded); None when it is not a readable image. A 16-bit PNG or TIFF has mode I;16 (grey) or a raw mode ';16' (colour, which PIL would
-    reduce to 8 bits); OpenCV, which every image read goes through, decodes it to 16 bits."""
-    try:
-        with Image.open(path) as image:
-            width, height = image.size
-            # before getexif, which may read a PNG's pixels and drop its tiles
-            raw_modes = [tile.args if isinstance(tile.args, str) else tile.args[0] for tile in image.tile]
-            eight_bit = not image.mode.startswith(("I", "F")) and not any(";16" in mode for mode in raw_modes)
-            if exif_orientation(image) >= 5:  # stored on its side: read_image turns it upright
-                width, height = height, width
-    except (OSError, ValueError, IndexError, Image.DecompressionBombError):
-        return None
-    return height, width, eight_bit
-
-
 class PhotoTextures:
     """Layer textures cropped from the photographs of one split: a ``TextureSource`` of the synthetic scenes.
 
@@ -225,7 +207,7 @@ class PhotoTextures:
         """The 8-bit files of at least the render size (read from their headers); one warning line counts the
         others."""
         height, width = self.size
-        headers = {path: _header(path) for path in files}
+        headers = {path: image_header(path) for path in files}
         unreadable = [path for path, header in headers.items() if header is None]
         deep = [path for path, header in headers.items() if header is not None and not header[2]]
         small = [

@@ -27,6 +27,7 @@ __all__ = [
     "FlowFileError",
     "InputsGoneError",
     "exif_orientation",
+    "image_header",
     "read_flo",
     "read_flow",
     "read_image",
@@ -271,6 +272,23 @@ def exif_orientation(image: Image.Image) -> int:
         return 1
     orientation = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
     return orientation if orientation in _ORIENT else 1
+
+
+def image_header(path: Path) -> tuple[int, int, bool] | None:
+    """(height, width as viewers show it, upright; 8-bit channels or not) from the file's header (nothing
+    decoded); None when it is not a readable image. A 16-bit PNG or TIFF has mode I;16 (grey) or a raw mode ';16' (colour, which PIL would
+    reduce to 8 bits); OpenCV, which every image read goes through, decodes it to 16 bits."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            # before getexif, which may read a PNG's pixels and drop its tiles
+            raw_modes = [tile.args if isinstance(tile.args, str) else tile.args[0] for tile in image.tile]
+            eight_bit = not image.mode.startswith(("I", "F")) and not any(";16" in mode for mode in raw_modes)
+            if exif_orientation(image) >= 5:  # stored on its side: read_image turns it upright
+                width, height = height, width
+    except (OSError, ValueError, IndexError, Image.DecompressionBombError):
+        return None
+    return height, width, eight_bit
 
 
 def _upright(encoded: bytes, image: np.ndarray) -> np.ndarray:

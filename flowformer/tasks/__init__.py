@@ -15,6 +15,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -24,7 +25,7 @@ from types import ModuleType
 
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -106,7 +107,7 @@ def run_task(cfg: DictConfig) -> float | None:
             raise
         if user_error is None or os.environ.get("FLOWFORMER_TRACEBACK"):
             traceback.print_exception(error)
-        error_line = report_error(user_error or error)
+        error_line = report_error(user_error or error, user_error_message(user_error, error) if user_error else None)
         if user_error is not None and HydraConfig.initialized() and not joins_existing_run():
             remove_if_unused(Path(HydraConfig.get().runtime.output_dir), Path(cfg.paths.log_dir))
         if in_multirun():
@@ -179,10 +180,10 @@ def task_module(task: object) -> ModuleType:
     return importlib.import_module(f"flowformer.tasks.{task}")
 
 
-def report_error(error: BaseException) -> str:
-    """The error once on stderr, and into the log files (run.log) without repeating it on the console; returns
-    the line."""
-    message = f"error ({type(error).__name__}): {error}"
+def report_error(error: BaseException, text: str | None = None) -> str:
+    """The error (`text`, else its own message) once on stderr, and into the log files (run.log) without
+    repeating it on the console; returns the line."""
+    message = f"error ({type(error).__name__}): {error if text is None else text}"
     print(message, file=sys.stderr)
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
@@ -203,3 +204,21 @@ def find_user_error(error: BaseException) -> BaseException | None:
             return ValueError(f"{key} is not set, and has no default: add {key}=<value> to the command")
         error = error.__cause__
     return None
+
+
+# How Hydra's instantiate ends the message of the InstantiationException it wraps a constructor's error in (Hydra
+# 1.3's `_with_full_key`): the config node it was building, e.g. `full_key: data.val.image_folder.dataset`.
+FULL_KEY = re.compile(r"\nfull_key: (\S+)$")
+
+
+def user_error_message(user_error: BaseException, chain: BaseException) -> str:
+    """`user_error`'s message (`find_user_error` of `chain`), with the config node Hydra was building when it was
+    raised where the message does not name it: a dataset's constructor knows its class, not the setting that
+    made it (`ImageFolderFlowDataset: ... lower the dataset's size` -> `(config: data.val.image_folder.dataset)`)."""
+    message = str(user_error)
+    node = None
+    while chain is not None and chain is not user_error:
+        found = FULL_KEY.search(str(chain)) if isinstance(chain, InstantiationException) else None
+        node = found.group(1) if found else node  # the innermost node: the object whose constructor failed
+        chain = chain.__cause__
+    return message if node is None or node in message else f"{message} (config: {node})"

@@ -41,6 +41,7 @@ from torch import nn
 from flowformer.data.io import (
     IMAGE_SUFFIXES,
     FlowFileError,
+    image_header,
     read_image,
     write_flo,
     write_image,
@@ -90,7 +91,34 @@ def list_frames(source: str | list[str]) -> tuple[list[str], Iterator[np.ndarray
                 f"infer.input folder {path} holds {len(paths)} image(s) with suffix {', '.join(IMAGE_SUFFIXES)}; "
                 "it needs at least two frames"
             )
+    check_frame_sizes(paths)
     return [p.stem for p in paths], (read_image(p) for p in paths), len(paths)
+
+
+def check_frame_sizes(paths: list[Path]) -> None:
+    """The image frames of infer.input, checked from their headers before the network is built (a folder's
+    odd frame was found only when its pair came, after the flows before it): each must be an 8-bit image
+    (where its header says otherwise, its decoding gives the error, naming the file), and all of one size."""
+    sizes: dict[tuple[int, int], list[str]] = {}
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"infer.input: {path} is not a file; give [img1,img2,...], a folder or a video")
+        header = image_header(path)
+        if header is None or not header[2]:  # read_image says what is wrong; a format PIL cannot read may decode
+            height, width = read_image(path).shape[:2]
+        else:
+            height, width = header[:2]
+        sizes.setdefault((height, width), []).append(path.name)
+    if len(sizes) > 1:
+        listed = " and ".join(
+            f"{height}x{width} ({len(names)} frame{'s' * (len(names) > 1)}: {', '.join(names[:3])}"
+            f"{', ...' * (len(names) > 3)})"
+            for (height, width), names in sizes.items()
+        )
+        raise ValueError(
+            f"infer.input: its frames have {len(sizes)} sizes, {listed}; a pair's flow needs both frames at one "
+            "size: resize the frames, or give the frames of one size"
+        )
 
 
 def video_frames(path: Path) -> tuple[list[str], Iterator[np.ndarray], int]:
@@ -276,7 +304,7 @@ def predict_pairs(
                     f"outputs are in {output_dir}",
                 )
             current = to_tensor(frame, device)
-            if current.shape != previous.shape:
+            if current.shape != previous.shape:  # a video's frames (image frames are checked before: check_frame_sizes)
                 raise ValueError(
                     f"infer.input: frame {names[index + 1]} is {tuple(current.shape[-2:])}, but frame "
                     f"{names[index]} is {tuple(previous.shape[-2:])}; all frames must have one size"

@@ -148,7 +148,7 @@ from flowformer.stop_signals import (
     stop_noted,
     stopping_at_once,
 )
-from flowformer.tasks import close_loggers, find_user_error
+from flowformer.tasks import close_loggers, find_user_error, user_error_message
 from flowformer.tasks import eval as eval_task
 from flowformer.tasks.pipeline_plan import log_plan, stage_plan
 from flowformer.tasks.run_dirs import ensure_writable_dir
@@ -917,9 +917,10 @@ class Pipeline:
             cause = find_user_error(error)
             if cause is None:
                 log.error("pipeline: %s failed", where, exc_info=error)
+            message = str(error) if cause is None else user_error_message(cause, error)
             cause = cause or error
             status = "failed"
-            error_line = " ".join(line.strip() for line in str(cause).splitlines())
+            error_line = " ".join(line.strip() for line in message.splitlines())
             if not isinstance(cause, StageRunError):  # its message is the error line of the stage's own process
                 error_line = f"{type(cause).__name__}: {error_line}"
             raise PipelineStageError(

@@ -164,7 +164,7 @@ def test_a_folder_of_16_bit_pngs_is_refused_as_not_8_bit(tmp_path: Path, caplog)
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert error.endswith(
         f"none of the 1 images of the val split of {deep} is usable: 1 not 8-bit (8-bit images are expected, "
-        "as task=infer expects); convert them to 8-bit"
+        "as task=infer expects); convert them to 8-bit (config: data.val.image_folder.dataset)"
     )
     for seed in range(4, 8):
         cv2.imwrite(str(deep / f"{seed}.png"), _photo(seed))

@@ -5,11 +5,15 @@ fails before it starts leaves no run directory behind."""
 from pathlib import Path
 
 import cv2
+import hydra
 import numpy as np
 import pytest
 import torch
+from hydra.errors import InstantiationException
+from omegaconf import OmegaConf
 
 from flowformer.device_settings import NO_GPU_HERE
+from flowformer.tasks import find_user_error, user_error_message
 
 from helpers.run import fresh_checkout, run_py
 from helpers.trees import H, W, kitti_tree
@@ -96,6 +100,41 @@ def test_missing_root_is_printed_once_and_leaves_no_run_directory(tmp_path):
     output = result.stdout + result.stderr
     assert output.count("the dataset root does not exist") == 1, output[-3000:]
     assert not list((tmp_path / "logs").rglob("run.log"))
+
+
+def test_a_folder_of_photographs_too_small_is_one_line_naming_the_config_node_it_fails(tmp_path):
+    """The dataset's constructor knows its class, not the setting: "lower the dataset's size" named neither
+    data.val.image_folder.dataset nor its size. The node Hydra was building is added to the line."""
+    checkout = fresh_checkout(tmp_path)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for index in range(3):
+        cv2.imwrite(str(photos / f"{index}.png"), np.full((20, 30, 3), 40 * index, dtype=np.uint8))
+    command = ("backbone=tiny", "data=image_folder", f"data.train.root={photos}", "trainer=cpu")
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error (ImageFolderError): ImageFolderFlowDataset: none of the 1 images of the val split")
+    assert "smaller than the render size 64x96" in line
+    assert line.endswith("(config: data.val.image_folder.dataset)")
+    assert list((checkout / "logs").rglob("*")) == []
+
+
+def test_hydra_names_the_node_whose_constructor_failed_and_a_message_naming_it_is_left_as_it_is():
+    """user_error_message reads the node from the end of Hydra's InstantiationException (`full_key: ...`)."""
+    dataset = {"_target_": "flowformer.data.synthetic.SyntheticFlowDataset", "num_samples": 2, "size": [3, 3]}
+    config = OmegaConf.create({"data": {"val": {"synthetic": {"dataset": dataset}}}})
+    with pytest.raises(InstantiationException) as caught:
+        hydra.utils.instantiate(config.data)
+    error = find_user_error(caught.value)
+    assert isinstance(error, ValueError) and "size must be (H, W)" in str(error)
+    assert user_error_message(error, caught.value) == f"{error} (config: data.val.synthetic.dataset)"
+    assert user_error_message(error, error) == str(error)  # not raised by a constructor Hydra called
+    named = ValueError("data.val.synthetic.dataset.size: expected (H, W)")
+    named.__cause__ = None
+    wrapper = InstantiationException("Error in call to target 'x':\nValueError()\nfull_key: data.val.synthetic.dataset")
+    wrapper.__cause__ = named
+    assert user_error_message(named, wrapper) == str(named)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")

@@ -22,6 +22,7 @@ from flowformer.tasks.runtime import autocast_context, load_network
 
 from helpers.compose import compose_run_config
 from helpers.compose import compose_tiny_config as config
+from helpers.run import fresh_checkout, run_py
 from helpers.trees import video_without_duration
 
 CPU = torch.device("cpu")
@@ -85,6 +86,26 @@ def test_frames_whose_names_differ_only_in_their_suffix_are_refused_before_any_o
         infer.run(config(f"infer.input={folder}", f"infer.checkpoint={checkpoint}", f"infer.output_dir={out}",
                          "infer.device=cpu"))
     assert list(out.iterdir()) == []
+
+
+def test_a_folder_of_frames_of_two_sizes_is_refused_naming_them_before_any_flow(tmp_path, checkpoint):
+    """f00.png and f01.png at 50x70, f02.png cropped to 40x64: the size was found when the pair f01 -> f02 came,
+    after the network was built and f00's flow written."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    folder = frame_folder(tmp_path / "frames")
+    cv2.imwrite(str(folder / "f02.png"), frames(3)[2][:40, :64])
+    result = run_py(
+        "task=infer", "backbone=tiny", f"infer.checkpoint={checkpoint}", f"infer.input={folder}",
+        cwd=checkout, expect_ok=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "error (ValueError): infer.input: its frames have 2 sizes, 50x70 (2 frames: f00.png, f01.png) and 40x64 "
+        "(1 frame: f02.png); a pair's flow needs both frames at one size: resize the frames, or give the frames "
+        "of one size"
+    )
+    assert "parameters:" not in result.stdout + result.stderr  # refused before the network was built
+    assert list((checkout / "logs").rglob("*.flo")) == []
 
 
 def test_a_video_stating_no_frame_count_gets_the_flow_of_every_pair(tmp_path, checkpoint):
