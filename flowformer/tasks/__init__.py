@@ -206,8 +206,8 @@ def find_user_error(error: BaseException) -> BaseException | None:
     return None
 
 
-# How Hydra's instantiate ends the message of the InstantiationException it wraps a constructor's error in (Hydra
-# 1.3's `_with_full_key`): the config node it was building, e.g. `full_key: data.val.image_folder.dataset`.
+# How Hydra's instantiate ends the message of the InstantiationException it wraps a constructor's error in (every
+# Hydra 1.3 release): the config node it was building, e.g. `full_key: data.val.image_folder.dataset`.
 FULL_KEY = re.compile(r"\nfull_key: (\S+)$")
 
 
