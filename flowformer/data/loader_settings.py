@@ -88,6 +88,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def auto_workers(device_type: str, processes_on_node: int = 1) -> int:
+    """`num_workers: auto` for a loader feeding `device_type` in one of `processes_on_node` processes (training's
+    data.num_workers, task=eval's eval.num_workers): 0 on a CPU; elsewhere this process's share of the cores less
+    one, at most MAX_AUTO_WORKERS."""
+    if device_type == "cpu":
+        return 0
+    cores = available_cores() // max(processes_on_node, 1)
+    return min(max(cores - 1, 0), MAX_AUTO_WORKERS)
+
+
 def resolve_loader_settings(
     *,
     num_workers: int | str,
@@ -100,8 +110,7 @@ def resolve_loader_settings(
     """The settings for a loader feeding `device_type` (`cuda`, `cpu`, ...), in one of `processes_on_node`
     processes sharing the node's cores; `auto` as the module docstring says."""
     if num_workers == "auto":
-        cores = available_cores() // max(processes_on_node, 1)
-        num_workers = 0 if device_type == "cpu" else min(max(cores - 1, 0), MAX_AUTO_WORKERS)
+        num_workers = auto_workers(device_type, processes_on_node)
     pin = device_type == "cuda" if pin_memory == "auto" else bool(pin_memory)
     workers = int(num_workers)
     return LoaderSettings(

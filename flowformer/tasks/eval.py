@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from flowformer.data.loader_settings import worker_start_method
+from flowformer.data.loader_settings import auto_workers, worker_start_method
 from flowformer.eval.baselines import baseline_methods
 from flowformer.eval.protocol import EvalSet, FlowNet, Protocol, WarmStart, require_finite_flow
 from flowformer.metrics import NothingScoredError, SetMetrics
@@ -272,6 +272,22 @@ def load_eval_network(cfg: DictConfig, device: torch.device) -> nn.Module:
     return net
 
 
+def check_eval_workers(setting: object) -> None:
+    """eval.num_workers: auto or a count >= 0 (torch's own error names no setting)."""
+    if setting == "auto":
+        return
+    try:
+        count_at_least(setting, "eval.num_workers", 0)
+    except ValueError:
+        raise ValueError(f"eval.num_workers={setting!r}: expected auto or a whole number >= 0") from None
+
+
+def eval_workers(setting: int | str, device: torch.device) -> int:
+    """The DataLoader workers of eval.num_workers for a set evaluated on `device`: `auto` as data.num_workers=auto
+    (none on a CPU, whose cores the network keeps busy; on a GPU the cores less one, at most 8)."""
+    return auto_workers(device.type) if setting == "auto" else int(setting)
+
+
 def score_baselines(
     methods: Mapping[str, FlowNet], sets: Mapping[str, tuple[Protocol, EvalSet]], settings: DictConfig
 ) -> dict[str, dict[str, dict[str, float]]]:
@@ -285,7 +301,7 @@ def score_baselines(
                 name=f"{name} ({method_name})",
                 device=torch.device("cpu"),
                 max_samples=settings.get("max_samples"),
-                num_workers=settings.num_workers,
+                num_workers=eval_workers(settings.num_workers, torch.device("cpu")),
             )
             for name, (protocol, dataset) in sets.items()
             if not protocol.writes_submission
@@ -357,7 +373,7 @@ def evaluate(cfg: DictConfig) -> float | None:
     settings = cfg.eval
     sets = open_sets(settings)
     methods = baseline_methods(settings.get("baselines") or [])
-    count_at_least(settings.num_workers, "eval.num_workers", 0)  # torch's own error names no setting
+    check_eval_workers(settings.num_workers)
     ensure_writable_dir(Path(settings.results_json).parent, "the folder of eval.results_json")
     submission_dir = None
     if settings.get("submission_dir"):
@@ -368,9 +384,11 @@ def evaluate(cfg: DictConfig) -> float | None:
 
     results: dict[str, dict[str, float]] = {}
     protocols: dict[str, dict[str, Any]] = {}
+    workers = eval_workers(settings.num_workers, device)
+    read_by = f"read by {workers} loader worker{'s' * (workers > 1)}" if workers else "read in this process"
     for name, (protocol, dataset) in sets.items():
         count = pairs_to_evaluate(dataset, name, settings.get("max_samples"))
-        log.info("evaluating %s (%d of its %d pairs): %s", name, count, len(dataset), protocol)
+        log.info("evaluating %s (%d of its %d pairs, %s): %s", name, count, len(dataset), read_by, protocol)
         results[name] = evaluate_set(
             net,
             dataset,
@@ -379,7 +397,7 @@ def evaluate(cfg: DictConfig) -> float | None:
             device=device,
             precision=settings.precision,
             max_samples=count,
-            num_workers=settings.num_workers,
+            num_workers=workers,
             submission_dir=submission_dir,
             warm_start=settings.warm_start,
         )

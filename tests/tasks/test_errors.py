@@ -296,7 +296,7 @@ def test_the_tiny_debug_preset_on_other_data_is_one_line_naming_debug_fdr(tmp_pa
         (["task=bench", "backbone=tiny", "bench.iters=0"], "bench.iters=0: expected a whole number >= 1"),
         (  # torch's "num_workers option should be non-negative", naming no setting
             ["task=eval", "eval=synthetic", "backbone=tiny", "eval.checkpoint=x.ckpt", "eval.num_workers=-1"],
-            "eval.num_workers=-1: expected a whole number >= 0",
+            "eval.num_workers=-1: expected auto or a whole number >= 0",
         ),
         (["task=bench", "bench=data", "data=synthetic", "bench.repeats=0"], "bench.repeats=0: expected a whole number >= 1"),
         (["experiment=quickstart", "quickstart.finetune_steps=0"], "quickstart.finetune_steps=0: expected a whole number >= 1"),

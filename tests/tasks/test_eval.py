@@ -14,12 +14,13 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.utils.data import Dataset
 
+from flowformer.data import loader_settings
 from flowformer.data.io import read_flo, read_kitti_flow, write_flo
 from flowformer.eval.padding import InputPadder
 from flowformer.eval.protocol import EvalSet, Protocol, WarmStart, forward_project
 from flowformer.metrics import FlowMetrics, NothingScoredError
 from flowformer.models import save_backbone
-from flowformer.tasks.eval import evaluate_set, format_table, run
+from flowformer.tasks.eval import eval_workers, evaluate_set, format_table, run
 
 from helpers.configs import CONF_DIR
 from helpers.run import fresh_checkout, run_py
@@ -297,6 +298,31 @@ def test_eval_presets_follow_the_official_protocols(preset: str) -> None:
         (432, 960),
         "kitti432",
     )
+
+
+def test_the_sintel_command_on_a_cpu_reads_its_pairs_in_its_own_process(tmp_path: Path) -> None:
+    """`python run.py task=eval backbone=tiny eval.sets=[sintel_clean]`: eval.num_workers was 4 wherever it ran,
+    so on 2 cores torch warned at every set that 4 workers exceed the 2 it suggests, and they took cores from the
+    network's forward. Now auto: none on a CPU, as training's loader."""
+    sintel_tree(tmp_path / "data" / "Sintel")
+    result = run_py(
+        "task=eval",
+        "backbone=tiny",
+        "eval.sets=[sintel_clean]",
+        f"paths.data_dir={tmp_path / 'data'}",
+        cwd=fresh_checkout(tmp_path / "checkout"),
+    )
+    assert "evaluating sintel_clean (3 of its 3 pairs, read in this process): " in result.stdout
+    assert "worker processes in total" not in result.stderr
+
+
+def test_auto_eval_workers_are_none_on_a_cpu_and_the_cores_less_one_on_a_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(loader_settings, "available_cores", lambda: 16)
+    assert eval_workers("auto", torch.device("cpu")) == 0
+    assert eval_workers("auto", torch.device("cuda")) == 8  # at most MAX_AUTO_WORKERS
+    assert eval_workers(3, torch.device("cpu")) == 3
+    monkeypatch.setattr(loader_settings, "available_cores", lambda: 3)
+    assert eval_workers("auto", torch.device("cuda")) == 2
 
 
 def test_missing_dataset_fails_before_the_network_with_the_eval_alternative(tmp_path: Path) -> None:
