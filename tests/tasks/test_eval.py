@@ -181,7 +181,7 @@ def test_eval_task_end_to_end_tiny_backbone_on_synthetic(tmp_path: Path, caplog)
     assert value == pytest.approx(result["epe"]) and value > 0
     assert record["protocol"]["synthetic"]["iters"] == 2
     assert (record["protocol"]["synthetic"]["pairs"], record["protocol"]["synthetic"]["pairs_in_set"]) == (2, 8)
-    assert "evaluating synthetic (2 of its 8 pairs)" in caplog.text
+    assert "evaluating synthetic (2 of its 8 pairs, read in this process)" in caplog.text
 
     # the same numbers by hand: the saved weights, 'sintel' padding, valid-masked pixel-pooled metrics
     dataset = hydra.utils.instantiate(cfg.eval.benchmarks.synthetic.dataset)
