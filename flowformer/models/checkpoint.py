@@ -268,6 +268,23 @@ def variant_hint(missing: list[str], unexpected: list[str]) -> str:
     )
 
 
+def check_fits(
+    net: nn.Module,
+    state: Mapping[str, Tensor],
+    source: str,
+    stored: Mapping[str, Any] | None,
+    skip_prefixes: Iterable[str] = (),
+) -> list[str]:
+    """`check_compatible`, its error followed by the backbone settings that would build the checkpoint's network
+    where the checkpoint stores them (`stored`: `architecture_difference`); returns the skipped keys."""
+    try:
+        return check_compatible(net, state, source, skip_prefixes)
+    except CheckpointMismatchError as error:
+        if (differing := architecture_difference(stored, getattr(net, "config", None))) is None:
+            raise
+        raise CheckpointMismatchError(f"{error}\n{differing}") from None
+
+
 def _as_network_dtypes(net: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Cast floating tensors (e.g. fp16 released weights) to the network's dtypes; integer buffers stay."""
     own = net.state_dict()
@@ -282,12 +299,7 @@ def load_backbone_weights(
     one of `skip_prefixes`."""
     state, kind, stored = _unwrap(read_checkpoint(path, net), path)
     skip = tuple(skip_prefixes)
-    try:
-        skipped = check_compatible(net, state, f"{kind} checkpoint {path}", skip)
-    except CheckpointMismatchError as error:
-        if (differing := architecture_difference(stored, getattr(net, "config", None))) is None:
-            raise
-        raise CheckpointMismatchError(f"{error}\n{differing}") from None
+    skipped = check_fits(net, state, f"{kind} checkpoint {path}", stored, skip)
     kept = {k: v for k, v in _as_network_dtypes(net, state).items() if not (skip and k.startswith(skip))}
     net.load_state_dict(kept, strict=not skip)
     if skipped:
@@ -327,11 +339,12 @@ def architecture_difference(stored: Mapping[str, Any] | None, config: Mapping[st
 
 def load_official(path: str | Path, variant: str = "flowformer", **overrides) -> FlowFormer:
     """Build the official architecture of `variant` (Twins encoders, paper knobs) and load a released checkpoint
-    strictly; returns the network in eval mode. `overrides` change backbone knobs (e.g. tokenize_chunk=4096)."""
+    (or our file, or a Lightning .ckpt: a mismatch then names the backbone settings stored in it) strictly; returns
+    the network in eval mode. `overrides` change backbone knobs (e.g. tokenize_chunk=4096)."""
     with torch.device("meta"):
         net = build_flowformer(variant=variant, **overrides)
-    state, _, _ = _unwrap(read_checkpoint(path, net), path)
-    check_compatible(net, state, f"official checkpoint {path} (variant={variant!r})")
+    state, kind, stored = _unwrap(read_checkpoint(path, net), path)
+    check_fits(net, state, f"{kind} checkpoint {path} (variant={variant!r})", stored)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     net.load_state_dict(state, strict=True, assign=True)
     return net.eval()

@@ -18,6 +18,7 @@ from flowformer.models.encoders import TwinsEncoder
 from flowformer.tasks import run_task
 
 from helpers.configs import flow_settings
+from helpers.run import fresh_checkout, run_py
 from helpers.trainers import cpu_trainer
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -72,6 +73,24 @@ def test_to_official_takes_a_lightning_checkpoint_in_one_step(run_checkpoint, tm
     net = hydra.utils.instantiate(config().backbone)
     assert load_backbone_weights(net, tmp_path / "one_step.pth").source == "official"
     assert all(torch.equal(v, weights[k]) for k, v in net.state_dict().items())
+
+
+def test_a_run_checkpoint_converted_with_another_backbone_names_its_kind_and_the_settings_that_build_it(tmp_path):
+    """`python run.py task=convert convert.input=<tiny run>/last.ckpt convert.output=ours.ckpt` (the default
+    backbone, the paper's FlowFormer): the error called the run's checkpoint an "official checkpoint" and said
+    no more than to check backbone.variant; it now names the settings stored in it that differ."""
+    torch.manual_seed(0)
+    last = save_lightning_checkpoint(hydra.utils.instantiate(config("model=flow").model), tmp_path / "last.ckpt")
+    result = run_py(
+        "task=convert", f"convert.input={last}", f"convert.output={tmp_path / 'ours.ckpt'}",
+        cwd=fresh_checkout(tmp_path / "checkout"), expect_ok=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"error (CheckpointMismatchError): lightning checkpoint {last} (variant='flowformer') does not match" in (
+        result.stderr
+    )
+    assert 'backbone.image_encoder="cnn" (here "twins")' in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "ours.ckpt").exists()
 
 
 def test_to_official_refuses_an_official_file(tmp_path, capsys):
