@@ -68,7 +68,14 @@ class FlowModule(BackboneModule):
         count_at_least(num_val_panels, "model.num_val_panels", 0)
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         if init_from is not None:
-            report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
+            try:
+                report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
+            except FileNotFoundError:  # experiment=things|sintel|kitti start from a released .pth's path
+                raise FileNotFoundError(
+                    f"model.init_from: checkpoint {init_from} does not exist; give the weights to start from: the "
+                    "previous stage's, model.init_from=<its run>/checkpoints/last.ckpt, or the released checkpoint "
+                    "at that path"
+                ) from None
             log.info("initialised the backbone from %s: %s", init_from, report)
         self.val_names: list[str] = []
         self.val_protocols: dict[str, Protocol] = {}

@@ -16,7 +16,7 @@ from flowformer.device_settings import NO_GPU_HERE
 from flowformer.tasks import find_user_error, user_error_message
 
 from helpers.run import fresh_checkout, run_py
-from helpers.trees import H, W, kitti_tree
+from helpers.trees import H, W, kitti_tree, sintel_tree, things_tree
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +135,26 @@ def test_hydra_names_the_node_whose_constructor_failed_and_a_message_naming_it_i
     wrapper = InstantiationException("Error in call to target 'x':\nValueError()\nfull_key: data.val.synthetic.dataset")
     wrapper.__cause__ = named
     assert user_error_message(named, wrapper) == str(named)
+
+
+def test_a_stage_without_the_checkpoint_it_starts_from_is_one_line_naming_model_init_from(tmp_path):
+    """experiment=things starts from the released chairs.pth's path by default; without it the line said
+    "checkpoint .../chairs.pth does not exist; check the path", naming no setting and not what to give."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    things_tree(tmp_path / "data" / "FlyingThings3D")
+    sintel_tree(tmp_path / "data" / "Sintel")  # its validation sets
+    kitti_tree(tmp_path / "data" / "KITTI")
+    command = ("experiment=things", "backbone=tiny", "trainer=cpu", f"paths.data_dir={tmp_path / 'data'}")
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert error_lines(result.stderr) == [
+        (
+            f"error (FileNotFoundError): model.init_from: checkpoint {checkout}/checkpoints/flowformer_pp/chairs.pth "
+            "does not exist; give the weights to start from: the previous stage's, "
+            "model.init_from=<its run>/checkpoints/last.ckpt, or the released checkpoint at that path"
+        )
+    ]
+    assert list((checkout / "logs").rglob("*")) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
