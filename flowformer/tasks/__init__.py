@@ -194,14 +194,43 @@ def report_error(error: BaseException, text: str | None = None) -> str:
 
 def find_user_error(error: BaseException) -> BaseException | None:
     """The user-facing error in an exception chain (Hydra's instantiate wraps the original as __cause__); a
-    setting the config leaves to the command line (`???`, e.g. infer.input) read unset is a ValueError naming
-    it."""
+    setting the config leaves to the command line (`???`, e.g. infer.input) read unset, or one the command deletes
+    (`deleted_setting_error`), is a ValueError naming it."""
+    first = error
     while error is not None:
         if isinstance(error, USER_ERRORS):
             return error
         if isinstance(error, MissingMandatoryValue):
             key = error.full_key
             return ValueError(f"{key} is not set, and has no default: add {key}=<value> to the command")
+        error = error.__cause__
+    return deleted_setting_error(first)
+
+
+# A constructor's TypeError for a keyword argument its config node lacks: `missing 1 required keyword-only
+# argument: 'gamma'`.
+MISSING_ARGUMENT = re.compile(r"missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'")
+
+
+def deleted_setting_error(error: BaseException) -> ValueError | None:
+    """For an exception chain that failed reading a setting the command deletes (`~eval.sets`, `~model.gamma`,
+    `~runtime`): a ValueError naming it (it was a traceback from wherever the run read it: omegaconf's key not in
+    the config, or a constructor's missing argument under the node Hydra was building); None otherwise."""
+    if not HydraConfig.initialized():
+        return None
+    deleted = [override_key(o) for o in HydraConfig.get().overrides.task if o.startswith("~")]
+    node = None
+    while error is not None and deleted:
+        wanted = getattr(error, "full_key", None) if isinstance(error, OmegaConfBaseException) else None
+        if isinstance(error, InstantiationException) and (found := FULL_KEY.search(str(error))):
+            node = found.group(1)
+        if isinstance(error, TypeError) and node and (argument := MISSING_ARGUMENT.search(str(error))):
+            wanted = f"{node}.{argument.group(1)}"
+        for key in deleted:
+            if wanted and (wanted == key or wanted.startswith(f"{key}.")):
+                return ValueError(
+                    f"{wanted} is needed by this run, but the command deletes it (~{key}); give it a value instead"
+                )
         error = error.__cause__
     return None
 

@@ -137,6 +137,24 @@ def test_hydra_names_the_node_whose_constructor_failed_and_a_message_naming_it_i
     assert user_error_message(named, wrapper) == str(named)
 
 
+@pytest.mark.parametrize(
+    ("command", "setting"),
+    [
+        (["debug=tiny", "~model.gamma"], "model.gamma"),  # FlowModule's TypeError for its missing argument
+        (["task=pipeline", "protocol=smoke", "~pipeline.evaluate"], "pipeline.evaluate"),  # omegaconf's: not in struct
+    ],
+    ids=["a constructor's argument", "a key the task reads"],
+)
+def test_a_setting_the_command_deletes_and_the_run_needs_is_one_line_naming_it(tmp_path, command, setting):
+    """`~<key>` deletes a setting (Hydra's syntax): one the run needs was a traceback from wherever it was read."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    expected = f"{setting} is needed by this run, but the command deletes it (~{setting}); give it a value instead"
+    assert error_lines(result.stderr) == [f"error (ValueError): {expected}"]
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_stage_without_the_checkpoint_it_starts_from_is_one_line_naming_model_init_from(tmp_path):
     """experiment=things starts from the released chairs.pth's path by default; without it the line said
     "checkpoint .../chairs.pth does not exist; check the path", naming no setting and not what to give."""
