@@ -111,11 +111,7 @@ def build_step(
         return net, forward
 
     if bench.mode == "pretrain":
-        # Lightning, which the forward and train rows' processes start without.
-        from flowformer.lit.mcva import MCVAPretrainModule
-
-        if not issubclass(hydra.utils.get_class(cfg.model._target_), MCVAPretrainModule):
-            raise ValueError("bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)")
+        check_pretrain_model(cfg.model)
         check_setting_types(cfg.model, "model", given_elsewhere=("backbone",))
         backbone = device_memory_settings(cfg.model.backbone, device, training=True)
         module = hydra.utils.instantiate(cfg.model, backbone=backbone).to(device).train()
@@ -442,10 +438,23 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     pyplot.close(figure)
 
 
+def check_pretrain_model(model: DictConfig) -> None:
+    """bench.mode=pretrain times an MCVA module's step: `model` must be one (model=mcva)."""
+    # Lightning, which the forward and train rows' processes start without.
+    from flowformer.lit.mcva import MCVAPretrainModule
+
+    if not issubclass(hydra.utils.get_class(model._target_), MCVAPretrainModule):
+        raise ValueError(  # noqa: TRY004 - a setting's error, which run.py reports in one line
+            "bench.mode=pretrain times an MCVA step: add model=mcva (and a flowformer_pp backbone)"
+        )
+
+
 def check_settings(cfg: DictConfig) -> None:
     bench = cfg.bench
     if bench.mode not in MODES:
         raise ValueError(f"bench.mode={bench.mode!r}: expected one of {MODES}")
+    if bench.mode == "pretrain":  # every row would be built, then recorded failed
+        check_pretrain_model(cfg.model)
     for key, least in (("iters", 1), ("repeats", 1), ("warmup", 0), ("batch_size", 1), ("profile_steps", 0)):
         count_at_least(bench[key], f"bench.{key}", least)
     for key in ("sizes", "memory_budgets_gb", "activation_checkpoints", "precisions"):  # their product: the rows

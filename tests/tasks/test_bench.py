@@ -155,6 +155,7 @@ def test_bench_training_modes_step_the_weights(mode, extra):
         # each row measured, then recorded failed, the run ending well
         ("bench.sizes=[[-64,96]]", "bench.sizes: each size is [height, width], both positive multiples of 8"),
         ("bench.precisions=[fp8]", "bench.precisions='fp8': expected one of 32-true, bf16-mixed, 16-mixed"),
+        ("bench.mode=pretrain", "bench.mode=pretrain times an MCVA step: add model=mcva"),
     ],
 )
 def test_settings_that_make_no_row_are_one_line_before_any_work(tmp_path, setting, expected):
