@@ -24,7 +24,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from flowformer.data.datasets import DatasetRootError, to_chw
-from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, read_image
+from flowformer.data.io import IMAGE_SUFFIXES, FlowFileError, image_header, read_image
 from flowformer.data.sampling import SampleKey, unpack_item
 from flowformer.data.transforms import ImagePairAugmentor, WorkerRNG
 from flowformer.setting_types import count_at_least
@@ -112,11 +112,15 @@ def stated_frame_count(capture: cv2.VideoCapture) -> int | None:
     return int(count) if count >= 1 else None
 
 
-def _video_length(path: Path) -> int | None:
-    """`stated_frame_count` of the video file; 0 where OpenCV cannot open it."""
+def _video_header(path: Path) -> tuple[int | None, tuple[int, int]]:
+    """(`stated_frame_count` of the video file, 0 where OpenCV cannot open it; its frames' (height, width) as the
+    container states them)."""
     capture = cv2.VideoCapture(str(path))
     try:
-        return stated_frame_count(capture) if capture.isOpened() else 0
+        if not capture.isOpened():
+            return 0, (0, 0)
+        size = (int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)), int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)))
+        return stated_frame_count(capture), size
     finally:
         capture.release()
 
@@ -275,9 +279,15 @@ class VideoFolder(_PairDataset):
         folders = [self.root, *sorted(p for p in self.root.rglob("*") if p.is_dir())]
         unusable: list[str] = []  # video files OpenCV cannot open, or with too few frames for a pair
         unseekable: list[str] = []  # video files stating no frame count: pairs read from them would be wrong
+        small: list[str] = []  # videos whose frames are smaller than the augmentor's crop: no pair of them is read
+        crop = tuple(augmentor.crop_size) if augmentor is not None else (0, 0)
         for folder in folders:
             video = folder.relative_to(self.root).as_posix() or "."
             frames = image_frames(folder)
+            header = image_header(frames[0]) if frames else None
+            if header is not None and (header[0] < crop[0] or header[1] < crop[1]):
+                small.append(f"{video}/ ({header[0]}x{header[1]})")
+                frames = []
             for a, b in pair_indices(
                 len(frames), frame_gap=frame_gap, stride=stride, both_directions=both_directions
             ):
@@ -285,10 +295,13 @@ class VideoFolder(_PairDataset):
             for path in sorted(
                 p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES
             ):
-                length = _video_length(path)
+                length, (height, width) = _video_header(path)
                 name = path.relative_to(self.root).as_posix()
                 if length is None:
                     unseekable.append(name)
+                    continue
+                if length and (height < crop[0] or width < crop[1]):
+                    small.append(f"{name} ({height}x{width})")
                     continue
                 indices = pair_indices(
                     length, frame_gap=frame_gap, stride=stride, both_directions=both_directions
@@ -308,6 +321,17 @@ class VideoFolder(_PairDataset):
                 "without a duration?), in which OpenCV cannot seek to a frame: %s; remux each (ffmpeg -i <file> -c "
                 "copy <new file>) or extract its frames into a folder",
                 type(self).__name__, self.root, len(unseekable), ", ".join(unseekable[:5]),
+            )
+        if small:
+            log.warning(
+                "%s %s: skipped %d video(s) whose frames are smaller than the crop %dx%d "
+                "(data.train.augmentor.crop_size): %s",
+                type(self).__name__, self.root, len(small), *crop, ", ".join(small[:5]),
+            )
+        if not self.pairs and small:
+            self._fail(
+                f"found no video of more than {frame_gap} frames at least as large as the crop {crop[0]}x{crop[1]}: "
+                f"{len(small)} smaller; lower data.train.augmentor.crop_size or add larger videos"
             )
         if not self.pairs:
             self._fail(f"found no video file or frame folder with more than {frame_gap} frames")

@@ -132,6 +132,32 @@ def test_video_folder_videos_and_frame_folders(tmp_path: Path) -> None:
         VideoFolder(root=tmp_path / "missing")
 
 
+def test_videos_smaller_than_the_crop_are_skipped_when_listed_and_none_larger_is_one_line(
+    tmp_path: Path, caplog
+) -> None:
+    """A folder of videos smaller than the MCVA crop (368x496 by default) trained until 100 pairs in a row had
+    failed, then stopped naming a file; they are now skipped as the folder is listed, naming the crop's
+    setting, and a folder with none as large is refused before training."""
+    root = tmp_path / "videos"
+    frames_folder(root / "scene", 4, suffix=".png")  # 40x48 frames
+    writer = cv2.VideoWriter(str(root / "large.avi"), cv2.VideoWriter_fourcc(*"MJPG"), 10, (80, 60))
+    for j in range(4):
+        writer.write(cv2.resize(video_frame(40 * j), (80, 60)))
+    writer.release()
+    with caplog.at_level(logging.WARNING):
+        dataset = VideoFolder(root=root, frame_gap=1, augmentor=ImagePairAugmentor(crop_size=(48, 64)))
+    assert {pair.video for pair in dataset.pairs} == {"large.avi"}
+    skipped = "skipped 1 video(s) whose frames are smaller than the crop 48x64 (data.train.augmentor.crop_size)"
+    assert f"{skipped}: scene/ (40x48)" in caplog.text
+    assert dataset[0]["img1"].shape == (3, 48, 64)
+    with pytest.raises(DatasetRootError) as refusal:
+        VideoFolder(root=root, frame_gap=1, augmentor=ImagePairAugmentor(crop_size=(368, 496)))
+    assert (
+        "found no video of more than 1 frames at least as large as the crop 368x496: 2 smaller; lower "
+        "data.train.augmentor.crop_size or add larger videos"
+    ) in str(refusal.value)
+
+
 def test_unreadable_pairs_are_skipped_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
