@@ -222,8 +222,7 @@ def deleted_setting_error(error: BaseException) -> ValueError | None:
     node = None
     while error is not None and deleted:
         wanted = getattr(error, "full_key", None) if isinstance(error, OmegaConfBaseException) else None
-        if isinstance(error, InstantiationException) and (found := FULL_KEY.search(str(error))):
-            node = found.group(1)
+        node = instantiated_node(error) or node
         if isinstance(error, TypeError) and node and (argument := MISSING_ARGUMENT.search(str(error))):
             wanted = f"{node}.{argument.group(1)}"
         for key in deleted:
@@ -240,6 +239,12 @@ def deleted_setting_error(error: BaseException) -> ValueError | None:
 FULL_KEY = re.compile(r"\nfull_key: (\S+)$")
 
 
+def instantiated_node(error: BaseException) -> str | None:
+    """The config node Hydra was building, where `error` is the InstantiationException it raised; else None."""
+    found = FULL_KEY.search(str(error)) if isinstance(error, InstantiationException) else None
+    return found.group(1) if found else None
+
+
 def user_error_message(user_error: BaseException, chain: BaseException) -> str:
     """`user_error`'s message (`find_user_error` of `chain`), with the config node Hydra was building when it was
     raised where the message does not name it: a dataset's constructor knows its class, not the setting that
@@ -247,7 +252,6 @@ def user_error_message(user_error: BaseException, chain: BaseException) -> str:
     message = str(user_error)
     node = None
     while chain is not None and chain is not user_error:
-        found = FULL_KEY.search(str(chain)) if isinstance(chain, InstantiationException) else None
-        node = found.group(1) if found else node  # the innermost node: the object whose constructor failed
+        node = instantiated_node(chain) or node  # the innermost node: the object whose constructor failed
         chain = chain.__cause__
     return message if node is None or node in message else f"{message} (config: {node})"
