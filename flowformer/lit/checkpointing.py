@@ -34,7 +34,7 @@ from flowformer.lit.base import FORMER_HYPERPARAMETERS, BackboneModule
 from flowformer.lit.flow import FlowModule
 from flowformer.lit.mcva import MCVAPretrainModule
 from flowformer.lit.unsup import UnsupervisedPretrainModule
-from flowformer.models.checkpoint import check_compatible, read_checkpoint
+from flowformer.models.checkpoint import check_compatible, checkpoint_file, read_checkpoint
 from flowformer.models.output_files import atomic_write
 from flowformer.overrides import shell_override
 
@@ -176,7 +176,7 @@ def check_resume_checkpoint(path: str | Path, module: BackboneModule, max_steps:
     training checkpoint, saved by another kind of module, made for another network (the error lists missing /
     unexpected / mis-shaped keys), or leaves nothing to train up to ``max_steps`` (trainer.max_steps) within
     the schedule it resumes."""
-    checkpoint = read_checkpoint(path, module)
+    checkpoint = read_checkpoint(checkpoint_file(path, "ckpt_path"), module)
     missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
     if missing:
         raise ValueError(

@@ -19,7 +19,7 @@ from flowformer.lit.base import (
 from flowformer.lit.images import image_api, log_images
 from flowformer.losses import sequence_loss
 from flowformer.metrics import NothingScoredError
-from flowformer.models.checkpoint import load_backbone_weights
+from flowformer.models.checkpoint import checkpoint_file, load_backbone_weights
 from flowformer.setting_types import count_at_least
 from flowformer.viz import flow_panel
 
@@ -68,14 +68,13 @@ class FlowModule(BackboneModule):
         count_at_least(num_val_panels, "model.num_val_panels", 0)
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler)
         if init_from is not None:
-            try:
-                report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
-            except FileNotFoundError:  # experiment=things|sintel|kitti start from a released .pth's path
-                raise FileNotFoundError(
-                    f"model.init_from: checkpoint {init_from} does not exist; give the weights to start from: the "
-                    "previous stage's, model.init_from=<its run>/checkpoints/last.ckpt, or the released checkpoint "
-                    "at that path"
-                ) from None
+            checkpoint_file(  # experiment=things|sintel|kitti start from a released .pth's path
+                init_from,
+                "model.init_from",
+                "give the weights to start from: the previous stage's, model.init_from=<its run>/checkpoints/"
+                "last.ckpt, or the released checkpoint at that path",
+            )
+            report = load_backbone_weights(self.backbone, init_from, skip_prefixes=tuple(skip_init_prefixes))
             log.info("initialised the backbone from %s: %s", init_from, report)
         self.val_names: list[str] = []
         self.val_protocols: dict[str, Protocol] = {}

@@ -103,28 +103,38 @@ DECLARED_BYTES_FLOOR = 64 * 2**20
 RUN_CHECKPOINTS = ("checkpoints/last.ckpt", "last.ckpt")
 
 
-def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
-    """Load a checkpoint onto the CPU with the weights-only unpickler (never running code from the file).
-
-    Returns the loaded dict. Raises FileNotFoundError when `path` does not exist and CheckpointReadError when it
-    is not a regular file (a named pipe would block; for a run directory it names the run's last.ckpt), cannot be
-    read, is not a checkpoint (or is corrupt or truncated), holds pickled classes or functions, or does not hold a
-    dict. With `network`, a file in torch's zip format whose records declare far more bytes than that network's
-    weights (DECLARED_BYTES_FACTOR) is refused before a record is read (a small file can declare records that
-    inflate to gigabytes).
-    """
+def checkpoint_file(path: str | Path, setting: str | None = None, advice: str = "check the path") -> Path:
+    """`path` as a Path once it is known to be a regular file: FileNotFoundError when it does not exist (the line
+    ends with `advice`), CheckpointReadError when it cannot be looked at or is not a regular file (a named pipe
+    would block; for a run directory the line names the run's last.ckpt). `setting` (e.g. "infer.checkpoint")
+    starts the line, so that a caller that knows which setting gave the path can check it before building
+    anything."""
     path = Path(path)
+    named = f"{setting}: checkpoint {path}" if setting else f"checkpoint {path}"
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {path} does not exist; check the path") from None
+        raise FileNotFoundError(f"{named} does not exist; {advice}") from None
     except OSError as err:
-        raise CheckpointReadError(f"cannot read checkpoint {path} ({err.strerror or err})") from None
+        raise CheckpointReadError(f"cannot read {named} ({err.strerror or err})") from None
     if not stat.S_ISREG(mode):
         kind = "a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "a device"
         inside = [path / name for name in RUN_CHECKPOINTS if stat.S_ISDIR(mode) and (path / name).is_file()]
         expected = f"give its {inside[0]}" if inside else "expected a checkpoint file"
-        raise CheckpointReadError(f"checkpoint {path} is not a regular file ({kind}); {expected}")
+        raise CheckpointReadError(f"{named} is not a regular file ({kind}); {expected}")
+    return path
+
+
+def read_checkpoint(path: str | Path, network: nn.Module | None = None) -> dict:
+    """Load a checkpoint onto the CPU with the weights-only unpickler (never running code from the file).
+
+    Returns the loaded dict. Raises FileNotFoundError and CheckpointReadError as `checkpoint_file` does, and
+    CheckpointReadError when it cannot be read, is not a checkpoint (or is corrupt or truncated), holds pickled classes or functions, or does not hold a
+    dict. With `network`, a file in torch's zip format whose records declare far more bytes than that network's
+    weights (DECLARED_BYTES_FACTOR) is refused before a record is read (a small file can declare records that
+    inflate to gigabytes).
+    """
+    path = checkpoint_file(path)
     if network is not None:
         _check_declared_size(path, network)
     try:

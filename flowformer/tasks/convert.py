@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from flowformer.models.checkpoint import checkpoint_file
 from flowformer.models.convert import convert
 from flowformer.tasks.run_dirs import OutputPathError, ensure_writable_dir, refuse_existing
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> None:
     settings = cfg.convert
+    checkpoint_file(settings.input, "convert.input")
     output = Path(settings.output)
     if output.resolve() == Path(settings.input).resolve():
         raise OutputPathError(

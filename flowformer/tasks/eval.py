@@ -267,7 +267,7 @@ def load_eval_network(cfg: DictConfig, device: torch.device) -> nn.Module:
     checkpoint = cfg.eval.get("checkpoint") or None
     if checkpoint is None:
         log.warning("eval.checkpoint is null: evaluating randomly initialised weights (smoke tests only)")
-    net = load_network(cfg.backbone, checkpoint, device)
+    net = load_network(cfg.backbone, checkpoint, device, "eval.checkpoint")
     compile_network(net, cfg.runtime)
     return net
 

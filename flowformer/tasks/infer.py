@@ -225,7 +225,7 @@ def prepare_network(cfg: DictConfig) -> tuple[torch.device, InferenceContext, nn
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     inference = InferenceContext(device, precision, "infer.precision")
-    net = load_network(cfg.backbone, settings.checkpoint, device)
+    net = load_network(cfg.backbone, settings.checkpoint, device, "infer.checkpoint")
     compile_network(net, cfg.runtime)
     return device, inference, net
 

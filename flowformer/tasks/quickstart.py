@@ -50,7 +50,7 @@ def write_heldout_panel(eval_cfg: DictConfig, path: Path, pairs: int) -> None:
     row each, predicted as the evaluation does (its checkpoint, protocol and iterations)."""
     protocol, dataset = next(iter(open_sets(eval_cfg.eval).values()))
     device = pick_device(eval_cfg.eval.device, "eval.device")
-    net = load_network(eval_cfg.backbone, eval_cfg.eval.checkpoint, device)
+    net = load_network(eval_cfg.backbone, eval_cfg.eval.checkpoint, device, "eval.checkpoint")
     panels = []
     for index in range(min(pairs, len(dataset))):
         item = dataset[index]

@@ -29,7 +29,7 @@ from torch import nn
 
 from flowformer.device_settings import NO_GPU_HERE, device_memory_settings
 from flowformer.models import FlowFormer
-from flowformer.models.checkpoint import load_backbone_weights
+from flowformer.models.checkpoint import checkpoint_file, load_backbone_weights
 from flowformer.models.cost_encoder import CostPerceiverEncoder
 from flowformer.models.decoder import MemoryDecoder
 from flowformer.models.encoders import TwinsEncoder
@@ -274,11 +274,15 @@ def region_compile_settings(backend: str, mode: str) -> tuple[dict[str, Any], bo
     return {"options": options}, True
 
 
-def load_network(backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device) -> nn.Module:
+def load_network(
+    backbone_cfg: DictConfig, checkpoint: str | None, device: torch.device, setting: str = "checkpoint"
+) -> nn.Module:
     """The network of `backbone_cfg` on `device` in eval mode, with `checkpoint` (ours, an official .pth or a
-    Lightning .ckpt) loaded strictly; None keeps the initial weights (random, or ImageNet Twins as
-    backbone.twins_weights says: with a checkpoint they are not read). Logs its parameter counts."""
+    Lightning .ckpt; `setting` names where it was given, checked to be a file before the network is built) loaded
+    strictly; None keeps the initial weights (random, or ImageNet Twins as backbone.twins_weights says: with a
+    checkpoint they are not read). Logs its parameter counts."""
     if checkpoint is not None:
+        checkpoint_file(checkpoint, setting)
         backbone_cfg = OmegaConf.merge(backbone_cfg, {"twins_weights": None})
     net = hydra.utils.instantiate(device_memory_settings(backbone_cfg, device, training=False))
     log_parameter_counts(parameter_counts(net))

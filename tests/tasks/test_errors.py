@@ -16,7 +16,7 @@ from flowformer.device_settings import NO_GPU_HERE
 from flowformer.tasks import find_user_error, user_error_message
 
 from helpers.run import fresh_checkout, run_py
-from helpers.trees import H, W, kitti_tree, sintel_tree, things_tree
+from helpers.trees import H, W, frames_folder, kitti_tree, sintel_tree, things_tree
 
 pytestmark = pytest.mark.slow
 
@@ -173,6 +173,29 @@ def test_a_stage_without_the_checkpoint_it_starts_from_is_one_line_naming_model_
         )
     ]
     assert list((checkout / "logs").rglob("*")) == []
+
+
+@pytest.mark.parametrize(
+    ("command", "setting"),
+    [
+        (["task=infer", "infer.checkpoint=nope.ckpt", "infer.input=frames"], "infer.checkpoint"),
+        (["task=eval", "eval=synthetic", "eval.checkpoint=nope.ckpt"], "eval.checkpoint"),
+        (["experiment=quickstart", "task=train", "ckpt_path=nope.ckpt"], "ckpt_path"),
+        (["task=convert", "convert.input=nope.ckpt", "convert.output=ours.ckpt"], "convert.input"),
+    ],
+)
+def test_a_missing_checkpoint_is_one_line_naming_its_setting_before_the_network_is_built(tmp_path, command, setting):
+    """The line said "checkpoint nope.ckpt does not exist; check the path", naming no setting, and infer and eval
+    built the network (its parameter counts logged) before looking for the file."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    frames_folder(checkout / "frames", count=2)
+    result = run_py(*command, cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert error_lines(result.stderr) == [
+        f"error (FileNotFoundError): {setting}: checkpoint nope.ckpt does not exist; check the path"
+    ]
+    assert "parameters:" not in result.stderr
+    assert not (checkout / "ours.ckpt").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
