@@ -99,6 +99,17 @@ class FlowFormer(nn.Module):
         """The cost encoder; None with the mcr decoder, which reads the cost volume itself."""
         return getattr(self.memory_encoder, "cost_perceiver_encoder", None)
 
+    def smallest_image(self) -> tuple[int, str]:
+        """(side, part): the smallest image side in pixels the network takes (the largest `min_image_side` of its
+        image encoders and decoder, the encoders first on a tie) and that part as messages name it ("the cnn
+        image encoder")."""
+        parts = [
+            (encoder.min_image_side, f"the {encoder.kind} image encoder")
+            for encoder in (self.memory_encoder.feat_encoder, self.context_encoder)
+        ]
+        parts.append((self.memory_decoder.min_image_side, f"the {self.memory_decoder.kind}"))
+        return max(parts, key=lambda part: part[0])
+
     # ---- stages ---------------------------------------------------------------------------------------------
     def encode_images(
         self, image1: Tensor, image2: Tensor, activation_budget: int | None = None
@@ -110,8 +121,7 @@ class FlowFormer(nn.Module):
         layers' transients to it by running over blocks of rows, still on the pair, so the features stay the
         dense path's bitwise; one that does not (the CNN) runs on each image in turn, which halves its peak, with
         the same numbers to float rounding (its InstanceNorm normalises each image on its own)."""
-        _check_images(image1, image2, self.memory_encoder.feat_encoder, self.context_encoder)
-        _check_decoder_side(image1, self.memory_decoder)
+        _check_images(image1, image2, *self.smallest_image())
         image1 = 2 * (image1 / 255.0) - 1.0
         image2 = 2 * (image2 / 255.0) - 1.0
         context = _within_budget(self.context_encoder, activation_budget, image1)
@@ -276,32 +286,22 @@ def _within_budget(module: nn.Module, activation_budget: int | None, *args: obje
     return module(*args)
 
 
-def _check_images(image1: Tensor, image2: Tensor, *encoders: nn.Module) -> None:
+def _check_images(image1: Tensor, image2: Tensor, side: int, part: str) -> None:
+    """Refuses images that are not both [B, 3, H, W], smaller than `side` (`FlowFormer.smallest_image`, needed
+    by `part`) or not a multiple of 8."""
     if image1.shape != image2.shape or image1.dim() != 4 or image1.shape[1] != 3:
         raise ValueError(
             f"images must both be [B, 3, H, W]; got {tuple(image1.shape)} and {tuple(image2.shape)}"
         )
     height, width = image1.shape[-2:]
-    strictest = max(encoders, key=lambda encoder: encoder.min_image_side)
-    side = strictest.min_image_side
     if min(height, width) < side:
         raise ValueError(
-            f"FlowFormer with the {strictest.kind} image encoder needs images of at least {side}x{side} pixels, "
-            f"got {height}x{width}; pad or upscale the images"
+            f"FlowFormer with {part} needs images of at least {side}x{side} pixels, got {height}x{width}; pad or "
+            "upscale the images"
         )
     if height % 8 or width % 8:
         pad_h, pad_w = (-height) % 8, (-width) % 8
         raise ValueError(
             f"image size {height}x{width} is not a multiple of 8: pad by {pad_h} rows and {pad_w} columns "
             f"(to {height + pad_h}x{width + pad_w}) before calling the network (padding is the caller's job)"
-        )
-
-
-def _check_decoder_side(image: Tensor, decoder: RecurrentRefinement) -> None:
-    height, width = image.shape[-2:]
-    side = decoder.min_image_side
-    if min(height, width) < side:
-        raise ValueError(
-            f"FlowFormer with the {decoder.kind} needs images of at least {side}x{side} pixels, got "
-            f"{height}x{width}; pad or upscale the images"
         )

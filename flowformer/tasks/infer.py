@@ -48,6 +48,7 @@ from flowformer.data.io import (
     write_kitti_flow,
 )
 from flowformer.data.video_datasets import VIDEO_SUFFIXES, image_frames, stated_frame_count
+from flowformer.eval.padding import InputPadder
 from flowformer.eval.protocol import Protocol, WarmStart, check_pad_mode, require_finite_flow
 from flowformer.setting_types import whole_number
 from flowformer.stop_signals import StoppedBySignal, StopSignals
@@ -291,6 +292,7 @@ def predict_pairs(
     first = next(frames, None)
     if first is None:
         raise ValueError(f"infer.input {settings.input}: not one frame could be decoded, so no flow was written")
+    check_network_takes(net, first.shape[:2], protocol)
     previous = to_tensor(first, device)
     pairs = 0
     warm_start = WarmStart() if settings.warm_start else None
@@ -332,6 +334,21 @@ def predict_pairs(
             previous = current
             pairs += 1
     return pairs
+
+
+def check_network_takes(net: nn.Module, size: tuple[int, int], protocol: Protocol) -> None:
+    """Frames of `size` (height, width), padded as `protocol` pads them, refused before the first flow where they
+    are smaller than the network takes (`FlowFormer.smallest_image`): the network's own line would give the
+    padded size, which is not the frames'."""
+    padding = InputPadder(size, mode=protocol.pad_mode).padding  # (left, right, top, bottom)
+    padded = (size[0] + padding[2] + padding[3], size[1] + padding[0] + padding[1])
+    side, part = net.smallest_image()
+    if min(padded) < side:
+        raise ValueError(
+            f"infer.input: its frames are {size[0]}x{size[1]} pixels ({padded[0]}x{padded[1]} once padded by "
+            f"infer.pad_mode={protocol.pad_mode}), smaller than the {side}x{side} that {part} of this network "
+            "needs; upscale the frames"
+        )
 
 
 def report_pairs(source: object, pairs: int, count: int, output_dir: Path) -> None:

@@ -108,6 +108,26 @@ def test_a_folder_of_frames_of_two_sizes_is_refused_naming_them_before_any_flow(
     assert list((checkout / "logs").rglob("*.flo")) == []
 
 
+def test_frames_smaller_than_the_network_takes_are_refused_naming_their_own_size(tmp_path, checkpoint):
+    """5x6 frames are padded to 8x8, which the tiny network's CNN encoder (16x16 at least) refuses: its line said
+    "got 8x8", a size the user's frames do not have."""
+    checkout = fresh_checkout(tmp_path / "checkout")
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for index, frame in enumerate(frames(2)):
+        cv2.imwrite(str(folder / f"f{index:02d}.png"), frame[:5, :6])
+    result = run_py(
+        "task=infer", "backbone=tiny", f"infer.checkpoint={checkpoint}", f"infer.input={folder}",
+        cwd=checkout, expect_ok=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "error (ValueError): infer.input: its frames are 5x6 pixels (8x8 once padded by infer.pad_mode=sintel), "
+        "smaller than the 16x16 that the cnn image encoder of this network needs; upscale the frames"
+    )
+    assert list((checkout / "logs").rglob("*.flo")) == []
+
+
 def test_a_video_stating_no_frame_count_gets_the_flow_of_every_pair(tmp_path, checkpoint):
     """A Matroska file without a duration (a browser's WebM recording), for which OpenCV states no frame count:
     its frames are counted by reading it once, then each pair's flow is written."""
