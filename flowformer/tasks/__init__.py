@@ -27,7 +27,7 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from flowformer.models.output_files import OutputWriteError
 from flowformer.overrides import override_key
@@ -195,8 +195,10 @@ def report_error(error: BaseException, text: str | None = None) -> str:
 def find_user_error(error: BaseException) -> BaseException | None:
     """The user-facing error in an exception chain (Hydra's instantiate wraps the original as __cause__); a
     setting the config leaves to the command line (`???`, e.g. infer.input) read unset, or one the command deletes
-    (`deleted_setting_error`), is a ValueError naming it."""
-    first = error
+    (`deleted_setting_error`, first: omegaconf's error for a deleted `${paths.data_dir}` is a ValueError too), is a
+    ValueError naming it."""
+    if (deleted := deleted_setting_error(error)) is not None:
+        return deleted
     while error is not None:
         if isinstance(error, USER_ERRORS):
             return error
@@ -204,12 +206,16 @@ def find_user_error(error: BaseException) -> BaseException | None:
             key = error.full_key
             return ValueError(f"{key} is not set, and has no default: add {key}=<value> to the command")
         error = error.__cause__
-    return deleted_setting_error(first)
+    return None
 
 
 # A constructor's TypeError for a keyword argument its config node lacks: `missing 1 required keyword-only
 # argument: 'gamma'`.
 MISSING_ARGUMENT = re.compile(r"missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'")
+
+
+# omegaconf's line for a `${key}` whose key is not in the config.
+MISSING_REFERENCE = re.compile(r"Interpolation key '([^']+)' not found")
 
 
 def deleted_setting_error(error: BaseException) -> ValueError | None:
@@ -222,6 +228,8 @@ def deleted_setting_error(error: BaseException) -> ValueError | None:
     node = None
     while error is not None and deleted:
         wanted = getattr(error, "full_key", None) if isinstance(error, OmegaConfBaseException) else None
+        if isinstance(error, InterpolationKeyError) and (reference := MISSING_REFERENCE.search(str(error))):
+            wanted = reference.group(1)  # `${paths.data_dir}` read by data.train.root: the deleted one
         node = instantiated_node(error) or node
         if isinstance(error, TypeError) and node and (argument := MISSING_ARGUMENT.search(str(error))):
             wanted = f"{node}.{argument.group(1)}"

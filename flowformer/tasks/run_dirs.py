@@ -26,6 +26,7 @@ import csv
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -39,6 +40,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flowformer.models.output_files import check_room, file_in_the_way
+from flowformer.overrides import override_key
 
 RESOLVER = "fresh_dir"
 LAUNCH_DIR_RESOLVER = "launch_dir"
@@ -284,6 +286,36 @@ def refuse_existing(outputs: Iterable[Path], setting: str, overwrite_setting: st
         )
 
 
+# `${paths.log_dir}` inside a config string: a reference to another setting (a resolver's `${now:...}` has a colon).
+SETTING_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+
+
+def check_dir_references(config: DictConfig, setting: str) -> None:
+    """Exit with one line when the run or sweep directory `setting` is built from a setting that is null (its
+    folder would be named "None") or absent (a command's `~paths.log_dir`: a traceback from inside Hydra), following
+    the references of the settings it names (paths.log_dir is built from paths.root_dir)."""
+    raw = OmegaConf.to_container(config, resolve=False)
+    deleted = {override_key(o) for o in config.hydra.overrides.task if o.startswith("~")}
+    pending, seen = [setting], set()
+    while pending:
+        key = pending.pop()
+        value: Any = raw
+        for part in key.split("."):
+            value = value.get(part, KeyError) if isinstance(value, dict) else KeyError
+        problem = None
+        if value is KeyError:
+            problem = f"which the command deletes (~{key})" if key in deleted else "which is not a setting"
+        elif value is None:
+            problem = "which is null"
+        if problem is not None:
+            print(f"error: {setting} is built from {key}, {problem}; give {key} a value", file=sys.stderr)
+            raise SystemExit(1)
+        for reference in SETTING_REFERENCE.findall(str(value)):
+            if reference not in seen:
+                seen.add(reference)
+                pending.append(reference)
+
+
 def check_output_dir(path: str | Path, setting: str, *, claim: bool) -> None:
     """Exit with one line unless `path` can be created and written (and, when `claim`, be claimed by this
     run)."""
@@ -304,10 +336,12 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_folder_names(config)
+        check_dir_references(config, "hydra.run.dir")
         check_output_dir(config.hydra.run.dir, "hydra.run.dir", claim=not joins_existing_run())
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_folder_names(config)
+        check_dir_references(config, "hydra.sweep.dir")
         check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir", claim=not joins_existing_run())
         _sweep_log_dirs[Path(config.hydra.sweep.dir)] = Path(config.paths.log_dir)
 

@@ -142,8 +142,9 @@ def test_hydra_names_the_node_whose_constructor_failed_and_a_message_naming_it_i
     [
         (["debug=tiny", "~model.gamma"], "model.gamma"),  # FlowModule's TypeError for its missing argument
         (["task=pipeline", "protocol=smoke", "~pipeline.evaluate"], "pipeline.evaluate"),  # omegaconf's: not in struct
+        (["debug=tiny", "~paths.data_dir"], "paths.data_dir"),  # omegaconf's missing `${paths.data_dir}`: a ValueError
     ],
-    ids=["a constructor's argument", "a key the task reads"],
+    ids=["a constructor's argument", "a key the task reads", "a key another setting refers to"],
 )
 def test_a_setting_the_command_deletes_and_the_run_needs_is_one_line_naming_it(tmp_path, command, setting):
     """`~<key>` deletes a setting (Hydra's syntax): one the run needs was a traceback from wherever it was read."""
@@ -173,6 +174,27 @@ def test_a_stage_without_the_checkpoint_it_starts_from_is_one_line_naming_model_
         )
     ]
     assert list((checkout / "logs").rglob("*")) == []
+
+
+@pytest.mark.parametrize(
+    ("command", "line"),
+    [
+        (["~paths.log_dir"], "hydra.run.dir is built from paths.log_dir, which the command deletes (~paths.log_dir)"),
+        (["~paths.root_dir"], "hydra.run.dir is built from paths.root_dir, which the command deletes (~paths.root_dir)"),
+        (["paths.log_dir=null"], "hydra.run.dir is built from paths.log_dir, which is null"),
+        (["-m", "~paths.log_dir", "seed=1,2"], "hydra.sweep.dir is built from paths.log_dir, which the command deletes (~paths.log_dir)"),
+    ],
+    ids=["deleted", "deleted, two references down", "null", "a sweep's"],
+)
+def test_a_run_directory_built_from_a_deleted_or_null_setting_is_one_line_naming_it(tmp_path, command, line):
+    """A deleted one was a traceback from inside Hydra (its callback's error is a warning, then its own
+    resolution fails); a null one made the run's folder under a directory named "None"."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, "debug=tiny", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    setting = line.split(" is built from ")[1].split(",")[0]
+    assert result.stderr.strip().splitlines()[-1] == f"error: {line}; give {setting} a value"
+    assert not (checkout / "None").exists() and list((checkout / "logs").rglob("*")) == []
 
 
 @pytest.mark.parametrize(
