@@ -130,6 +130,7 @@ def check_command_settings(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     check_debug_preset(hydra_cfg.runtime.choices)
     overrides = list(hydra_cfg.overrides.task)
+    check_empty_dict_overrides(cfg, overrides)
     groups = set(hydra_cfg.runtime.choices)
     choices = [o for o in overrides if not is_setting(o, groups)]
     keys = [override_key(o) for o in overrides if o not in choices and not o.startswith("~")]
@@ -143,6 +144,22 @@ def check_command_settings(cfg: DictConfig) -> None:
         return
     for key, value in check_against_shipped(settings, cfg, shipped).items():
         OmegaConf.update(cfg, key, value)
+
+
+def check_empty_dict_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """Refuses `key={}` where `key` holds entries: Hydra merges the empty dict into them, so the command changes
+    nothing (`pipeline.evaluate={}` kept the protocol's evaluations), though it reads as emptying it."""
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if value.replace(" ", "") != "{}" or override.startswith("~"):
+            continue
+        entries = OmegaConf.select(cfg, key)
+        if isinstance(entries, DictConfig) and len(entries):
+            raise ValueError(
+                f"{key}={{}} changes nothing: Hydra merges it into {key}, which keeps its entries "
+                f"({', '.join(map(str, entries))}); to remove them give {key}=null where {key} may be null, or "
+                f"~{key}.<entry> for each"
+            )
 
 
 # The debug presets that set their data config's own keys (conf/debug/tiny.yaml: data=synthetic's sizes, its

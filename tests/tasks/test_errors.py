@@ -176,6 +176,20 @@ def test_a_stage_without_the_checkpoint_it_starts_from_is_one_line_naming_model_
     assert list((checkout / "logs").rglob("*")) == []
 
 
+def test_an_empty_dict_for_a_setting_that_holds_entries_is_refused_as_changing_nothing(tmp_path):
+    """`pipeline.evaluate={}` reads as "no evaluations", but Hydra merges it into the protocol's: the pipeline
+    trained and evaluated as without it."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("task=pipeline", "protocol=smoke", "pipeline.evaluate={}", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert error_lines(result.stderr) == [
+        "error (ValueError): pipeline.evaluate={} changes nothing: Hydra merges it into pipeline.evaluate, which "
+        "keeps its entries (plain, tiled); to remove them give pipeline.evaluate=null where pipeline.evaluate may "
+        "be null, or ~pipeline.evaluate.<entry> for each"
+    ]
+    assert list((checkout / "logs").rglob("*")) == []
+
+
 @pytest.mark.parametrize(
     ("command", "line"),
     [
