@@ -318,6 +318,26 @@ def training_device(trainer_cfg: DictConfig) -> torch.device:
     return torch.device("cuda" if on_gpu else "cpu")
 
 
+# The trainer.precision values the network trains at, as Lightning writes them and its aliases: full fp32, or
+# autocast in bf16 or fp16 around fp32 weights.
+TRAINING_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
+
+
+def check_training_precision(trainer_cfg: DictConfig) -> None:
+    """A ValueError before any work where trainer.precision is one the network cannot train at: Lightning's
+    "true" precisions other than fp32 (bf16-true, 16-true, 64-true) cast every weight to that dtype, but the cost
+    volume, the attention's softmax and the loss stay fp32 (the official code's islands), so the first convolution
+    of the cost encoder failed with a dtype mismatch in the first training step."""
+    precision = str(trainer_cfg.get("precision", "32-true"))
+    if precision not in TRAINING_PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={precision}: the network trains at 32-true, bf16-mixed or 16-mixed (autocast "
+            "around fp32 weights); its cost volume, softmax and loss stay fp32, which weights cast to another "
+            "dtype cannot take; to save memory, use bf16-mixed (trainer=gpu's) and "
+            "backbone.activation_checkpoint"
+        )
+
+
 def memory_settings(module: nn.Module) -> dict[str, Any]:
     """The memory settings (DEVICE_CHOSEN_SETTINGS) the FlowFormer of `module` (itself, or a LightningModule's
     `backbone`) was built with: the values chosen for the device where the config said `auto` ({} for a network

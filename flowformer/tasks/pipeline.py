@@ -135,7 +135,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from flowformer.device_settings import training_device
+from flowformer.device_settings import check_training_precision, training_device
 from flowformer.lit.checkpointing import LAST_CHECKPOINT, last_checkpoint_path
 from flowformer.models.checkpoint import read_checkpoint
 from flowformer.models.output_files import atomic_write_text
@@ -750,6 +750,7 @@ class Pipeline:
             self.compose_planned(where, ["task=eval", *overrides], checkpoint, self.run_dir / f"eval_{label}")
         log_plan(self.run_dir, plans, list(self.evaluate))
         for trainer in trainers:  # after the plan, whose cost a machine without the GPUs can still tell
+            check_training_precision(trainer)
             training_device(trainer)
 
     def compose_planned(self, where: str, own: list[str], *inputs: Any) -> DictConfig:

@@ -9,7 +9,12 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from flowformer.device_settings import TrainingStep, device_memory_settings, training_device
+from flowformer.device_settings import (
+    TrainingStep,
+    check_training_precision,
+    device_memory_settings,
+    training_device,
+)
 from flowformer.lit.checkpointing import best_checkpoint_callback, last_checkpoint_path
 from flowformer.setting_types import check_setting_types
 from flowformer.tasks.batches import per_process_batch, set_per_process_batch
@@ -62,6 +67,7 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
     if cfg.get("ckpt_path") and backbone.get("twins_weights"):
         backbone = OmegaConf.merge(backbone, {"twins_weights": None})
     step = training_step(cfg)
+    check_training_precision(cfg.trainer)
     overrides["backbone"] = device_memory_settings(backbone, training_device(cfg.trainer), training=True, step=step)
     model = hydra.utils.instantiate(cfg.model, **overrides)
     compile_network(model.backbone, cfg.runtime)

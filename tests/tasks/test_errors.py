@@ -176,6 +176,24 @@ def test_a_stage_without_the_checkpoint_it_starts_from_is_one_line_naming_model_
     assert list((checkout / "logs").rglob("*")) == []
 
 
+@pytest.mark.parametrize(
+    ("command", "precision"),
+    [(["debug=tiny"], "bf16-true"), (["task=pipeline", "protocol=smoke"], "64-true")],
+    ids=["a training run", "a pipeline, before its first stage"],
+)
+def test_a_precision_the_network_cannot_train_at_is_one_line_before_training(tmp_path, command, precision):
+    """Lightning's bf16-true / 16-true / 64-true cast every weight, but the cost volume stays fp32: the first
+    training step failed with a traceback from the cost encoder's convolution (a pipeline's, in its first stage)."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py(*command, f"trainer.precision={precision}", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith(
+        f"error (ValueError): trainer.precision={precision}: the network trains at 32-true, bf16-mixed or 16-mixed"
+    )
+    assert not list((checkout / "logs").rglob("*.ckpt")) and not list((checkout / "logs").rglob("stage_*"))
+
+
 def test_an_empty_dict_for_a_setting_that_holds_entries_is_refused_as_changing_nothing(tmp_path):
     """`pipeline.evaluate={}` reads as "no evaluations", but Hydra merges it into the protocol's: the pipeline
     trained and evaluated as without it."""
@@ -183,9 +201,11 @@ def test_an_empty_dict_for_a_setting_that_holds_entries_is_refused_as_changing_n
     result = run_py("task=pipeline", "protocol=smoke", "pipeline.evaluate={}", cwd=checkout, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert error_lines(result.stderr) == [
-        "error (ValueError): pipeline.evaluate={} changes nothing: Hydra merges it into pipeline.evaluate, which "
-        "keeps its entries (plain, tiled); to remove them give pipeline.evaluate=null where pipeline.evaluate may "
-        "be null, or ~pipeline.evaluate.<entry> for each"
+        (
+            "error (ValueError): pipeline.evaluate={} changes nothing: Hydra merges it into pipeline.evaluate, "
+            "which keeps its entries (plain, tiled); to remove them give pipeline.evaluate=null where "
+            "pipeline.evaluate may be null, or ~pipeline.evaluate.<entry> for each"
+        )
     ]
     assert list((checkout / "logs").rglob("*")) == []
 
