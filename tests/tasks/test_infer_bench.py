@@ -2,6 +2,7 @@
 config groups, and the device / precision / network helpers the tasks share (task=bench: tests/tasks/test_bench.py)."""
 
 import logging
+import subprocess
 from pathlib import Path
 
 import cv2
@@ -88,17 +89,24 @@ def test_frames_whose_names_differ_only_in_their_suffix_are_refused_before_any_o
     assert list(out.iterdir()) == []
 
 
+def refused_infer(checkout: Path, checkpoint: Path, folder: Path) -> subprocess.CompletedProcess:
+    """`python run.py task=infer` of the tiny network on `folder` in `checkout`, which must fail with one line and
+    no traceback."""
+    result = run_py(
+        "task=infer", "backbone=tiny", f"infer.checkpoint={checkpoint}", f"infer.input={folder}",
+        cwd=checkout, expect_ok=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    return result
+
+
 def test_a_folder_of_frames_of_two_sizes_is_refused_naming_them_before_any_flow(tmp_path, checkpoint):
     """f00.png and f01.png at 50x70, f02.png cropped to 40x64: the size was found when the pair f01 -> f02 came,
     after the network was built and f00's flow written."""
     checkout = fresh_checkout(tmp_path / "checkout")
     folder = frame_folder(tmp_path / "frames")
     cv2.imwrite(str(folder / "f02.png"), frames(3)[2][:40, :64])
-    result = run_py(
-        "task=infer", "backbone=tiny", f"infer.checkpoint={checkpoint}", f"infer.input={folder}",
-        cwd=checkout, expect_ok=False,
-    )
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    result = refused_infer(checkout, checkpoint, folder)
     assert result.stderr.splitlines()[-1] == (
         "error (ValueError): infer.input: its frames have 2 sizes, 50x70 (2 frames: f00.png, f01.png) and 40x64 "
         "(1 frame: f02.png); a pair's flow needs both frames at one size: resize the frames, or give the frames "
@@ -116,11 +124,7 @@ def test_frames_smaller_than_the_network_takes_are_refused_naming_their_own_size
     folder.mkdir()
     for index, frame in enumerate(frames(2)):
         cv2.imwrite(str(folder / f"f{index:02d}.png"), frame[:5, :6])
-    result = run_py(
-        "task=infer", "backbone=tiny", f"infer.checkpoint={checkpoint}", f"infer.input={folder}",
-        cwd=checkout, expect_ok=False,
-    )
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    result = refused_infer(checkout, checkpoint, folder)
     assert result.stderr.splitlines()[-1] == (
         "error (ValueError): infer.input: its frames are 5x6 pixels (8x8 once padded by infer.pad_mode=sintel), "
         "smaller than the 16x16 that the cnn image encoder of this network needs; upscale the frames"
