@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> None:
     settings = cfg.convert
+    output = Path(settings.output)  # read first: an unset convert.output is named before convert.input is checked
     checkpoint_file(settings.input, "convert.input")
-    output = Path(settings.output)
     if output.resolve() == Path(settings.input).resolve():
         raise OutputPathError(
             f"convert.output {output} is convert.input: the conversion would replace the file it reads (also "

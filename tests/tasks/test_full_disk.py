@@ -189,7 +189,7 @@ def test_a_run_started_on_a_full_disk_is_one_line_and_leaves_no_run_directory(di
     runs = disk.folder / "logs" / "runs"
     run_dir = run_dirs.fresh_dir(str(runs))  # as conf/hydra/default.yaml names it: made empty
     with pytest.raises(SystemExit) as exit_info:  # Hydra calls it before writing .hydra/ and run.log
-        run_dirs.RunDirGuard().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": run_dir}}}))
+        run_dirs.RunDirGuard().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": run_dir}, "overrides": {"task": []}}}))
     assert exit_info.value.code == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line == f"error: cannot write hydra.run.dir {run_dir}: {NO_SPACE}; choose another location"
