@@ -7,6 +7,7 @@ Returns the monitored metric, so Hydra sweepers (grid, Optuna) can optimise it.
 
 import os
 import sys
+from pathlib import Path
 
 # torch reads this once, at its first CPU allocation, so it is set before torch is imported: CPU tensors of 2 MiB
 # and more get huge pages advised (madvise), 512x fewer page faults where the kernel allows them
@@ -18,7 +19,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import hydra
 from omegaconf import DictConfig
 
-from flowformer.overrides import expand_home
+from flowformer.overrides import expand_home, missing_plugin
 from flowformer.tasks import run_task
 from flowformer.tasks.run_dirs import register_resolvers
 
@@ -32,4 +33,7 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     sys.argv[1:] = expand_home(sys.argv[1:])  # `key=~/path` as bash passes it, also from sh, dash or zsh
+    if (plugin := missing_plugin(sys.argv[1:], Path(__file__).parent / "conf")) is not None:
+        print(f"error: {plugin}", file=sys.stderr)  # before Hydra, which names the option it cannot find
+        raise SystemExit(1)
     main()

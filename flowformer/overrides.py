@@ -1,10 +1,12 @@
 """Hydra overrides: the command line's with `~` expanded (`expand_home`), their keys (`override_key`), values
 written for the commands a pipeline runs (`path_value`, `override_value`: Hydra reads the value back unchanged),
-and the commands a line tells the user to run (`shell_override`, `command_again`: typed in a POSIX shell as
-printed, Hydra reads the same values)."""
+the commands a line tells the user to run (`shell_override`, `command_again`: typed in a POSIX shell as
+printed, Hydra reads the same values), and the Hydra plugins a command selects that are not installed
+(`missing_plugin`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.hydra_config import HydraConfig
 
 # Values that Hydra reads and a shell passes as they are: no quoting, so that the usual paths print plainly.
@@ -90,3 +93,40 @@ def command_again(*overrides: str) -> str:
     given = [*hydra.overrides.hydra, *hydra.overrides.task]
     kept = [override for override in given if override_key(override) not in NOT_AGAIN]
     return " ".join([shlex.join([str(python), sys.argv[0], *config, *kept]), *overrides])
+
+
+# The Hydra plugins a command may select, by the option they add to Hydra's config groups: the module that holds
+# each and how to install it (pyproject.toml's extras where it has one; the others are Hydra's own plugins).
+PLUGINS = {
+    "hydra/sweeper=optuna": ("hydra_plugins.hydra_optuna_sweeper", 'pip install -e ".[optuna]"'),
+    "hydra/sweeper=nevergrad": ("hydra_plugins.hydra_nevergrad_sweeper", "pip install hydra-nevergrad-sweeper"),
+    "hydra/sweeper=ax": ("hydra_plugins.hydra_ax_sweeper", "pip install hydra-ax-sweeper"),
+    "hydra/launcher=submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", 'pip install -e ".[slurm]"'),
+    "hydra/launcher=submitit_local": ("hydra_plugins.hydra_submitit_launcher", 'pip install -e ".[slurm]"'),
+    "hydra/launcher=joblib": ("hydra_plugins.hydra_joblib_launcher", "pip install hydra-joblib-launcher"),
+    "hydra/launcher=ray": ("hydra_plugins.hydra_ray_launcher", "pip install hydra-ray-launcher"),
+    "hydra/launcher=rq": ("hydra_plugins.hydra_rq_launcher", "pip install hydra-rq-launcher"),
+}
+
+
+def missing_plugin(arguments: list[str], conf_dir: Path) -> str | None:
+    """What to install for a Hydra plugin the command selects that is not installed, where Hydra would say only
+    that it cannot find the option: given as `hydra/sweeper=optuna`, or by a config the command picks from
+    `conf_dir` whose defaults list overrides Hydra's group (`sweep=optuna`: `override /hydra/sweeper: optuna`)."""
+    for argument in arguments:
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        group, option = override_key(argument), argument.split("=", 1)[1]
+        selected = {f"{group}={option}": None} if group.startswith("hydra/") else {}  # choice -> the config
+        chosen = conf_dir / group / f"{option}.yaml"
+        if re.fullmatch(r"[\w/]+", group) and re.fullmatch(r"[\w-]+", option) and chosen.is_file():
+            for entry in (yaml.safe_load(chosen.read_text()) or {}).get("defaults", []):
+                for key, value in entry.items() if isinstance(entry, dict) else ():
+                    if key.startswith("override /hydra/"):
+                        selected[f"{key.removeprefix('override /')}={value}"] = argument
+        for choice, given in selected.items():
+            if choice in PLUGINS and importlib.util.find_spec(PLUGINS[choice][0]) is None:
+                module, install = PLUGINS[choice]
+                picked = f"{choice} is" if given is None else f"{given} selects {choice},"
+                return f"{picked} a Hydra plugin that is not installed (no module {module}); install it: {install}"
+    return None

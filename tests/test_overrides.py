@@ -1,7 +1,9 @@
 """The overrides a stop line tells the user to type (`shell_override`) reach Hydra unchanged through a POSIX shell,
 for paths that need quoting in either: a multirun job's folder (`=` and `,`), spaces, quotes, `$`, backslashes;
-the command it prints (`command_again`) is the run's own; a value at `~` reaches it expanded (`expand_home`)."""
+the command it prints (`command_again`) is the run's own; a value at `~` reaches it expanded (`expand_home`); a
+Hydra plugin the command selects and the machine lacks is named with what to install (`missing_plugin`)."""
 
+import importlib.util
 import re
 import shlex
 import sys
@@ -13,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from flowformer.overrides import command_again, expand_home, shell_override
+from flowformer.overrides import command_again, expand_home, missing_plugin, shell_override
 from flowformer.setting_types import whole_number
 
 from helpers.configs import CONF_DIR
@@ -100,3 +102,40 @@ def test_a_run_given_its_steps_as_1e_trains_that_many(tmp_path):
     run_py("debug=tiny", "trainer.max_steps=2e0", cwd=checkout)
     (last,) = (checkout / "logs").rglob("last.ckpt")
     assert torch.load(last, weights_only=True)["global_step"] == 2
+
+
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper"
+
+
+@pytest.mark.skipif(importlib.util.find_spec(OPTUNA_SWEEPER) is not None, reason="the optuna extra is installed")
+def test_the_readmes_optuna_sweep_without_its_extra_is_one_line_saying_what_to_install(tmp_path):
+    """The README's command, where `pip install -e ".[optuna]"` was not run: Hydra said only that it could not find
+    'hydra/sweeper/optuna' (its options: basic)."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("experiment=mcva_pretrain", "sweep=optuna", "hydra.sweeper.n_trials=30", cwd=checkout,
+                    expect_ok=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        (
+            "error: sweep=optuna selects hydra/sweeper=optuna, a Hydra plugin that is not installed (no module "
+            f'{OPTUNA_SWEEPER}); install it: pip install -e ".[optuna]"'
+        )
+    ]
+    assert not (checkout / "logs").exists()
+
+
+def test_a_hydra_plugin_option_is_checked_where_the_command_or_its_configs_select_it():
+    """Hydra's own plugins by name (joblib: not a dependency), the extras' by the configs that select them; an
+    installed plugin (submitit, of the dev extra), a plain setting or a flag is no error."""
+    assert missing_plugin(["-m", "+hydra/launcher=joblib", "seed=1,2"], CONF_DIR) == (
+        "hydra/launcher=joblib is a Hydra plugin that is not installed (no module hydra_plugins.hydra_joblib_launcher); "
+        "install it: pip install hydra-joblib-launcher"
+    )
+    optuna_line = missing_plugin(["debug=tiny", "+sweep=optuna"], CONF_DIR)
+    if importlib.util.find_spec(OPTUNA_SWEEPER) is None:
+        assert optuna_line.startswith("+sweep=optuna selects hydra/sweeper=optuna, a Hydra plugin that is not")
+    else:
+        assert optuna_line is None
+    installed = ["-m", "hydra/launcher=submitit_local", "sweep=mask_ratio", "model.mask_ratio=0.3", "--cfg", "job"]
+    assert importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    assert missing_plugin(installed, CONF_DIR) is None
