@@ -213,6 +213,13 @@ class SetMetrics(nn.Module):
     def compute(self) -> dict[str, Tensor]:
         raise NotImplementedError
 
+    def metric_names(self) -> list[str]:
+        """The keys `compute()` returns: those of a fresh bundle of this kind, scored on one pixel."""
+        fresh = type(self)()
+        flow = torch.zeros(1, 2, 1, 1)  # [B,2,H,W]
+        fresh.update(flow, flow, torch.ones(1, 1, 1))
+        return list(fresh.compute())
+
     def reset(self) -> None:
         for part in self.parts.values():
             part.reset()

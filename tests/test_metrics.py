@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flowformer.metrics import (
+    SET_METRICS,
     FlowMetrics,
     FlowSetMetrics,
     KittiSetMetrics,
@@ -137,3 +138,12 @@ def test_a_metric_over_nothing_is_an_error_not_zero() -> None:
     no_valid_pixel.update(PRED, GT, torch.zeros(1, 1, 4))
     with pytest.raises(NothingScoredError, match="no pixel was scored"):
         no_valid_pixel.compute()
+
+
+@pytest.mark.parametrize("kind", sorted(SET_METRICS))
+def test_a_bundles_keys_are_those_its_compute_returns(kind) -> None:
+    """`metric_names()` (what a run may monitor as val/<set>/<key>, checked before training) against a scored bundle."""
+    bundle = SET_METRICS[kind]()
+    bundle.update(PRED, GT, torch.ones(1, 1, 4))
+    assert bundle.metric_names() == list(bundle.compute())
+    assert "epe" in bundle.metric_names()

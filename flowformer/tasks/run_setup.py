@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flowformer.device_settings import memory_settings
+from flowformer.eval.protocol import validation_protocol
 from flowformer.lit.checkpointing import (
     RandomStates,
     SafeCheckpointIO,
@@ -288,7 +289,8 @@ def warn_random_twins(cfg: DictConfig) -> None:
 def set_monitor(cfg: DictConfig, datamodule: Any) -> str:
     """Resolves cfg.monitor in place (the checkpoint callbacks read it): as set, or val/<first validation set>/epe,
     or train/loss without validation sets; without a validation loop the best checkpoint is written on a step
-    schedule instead (trainer.val_check_interval, else every 1000 steps)."""
+    schedule instead (trainer.val_check_interval, else every 1000 steps). A val/ metric no validation set logs
+    is refused (`check_validation_monitor`)."""
     val_names = list(getattr(datamodule, "val_names", []) or [])
     monitor = str(cfg.get("monitor") or (f"val/{val_names[0]}/epe" if val_names else "train/loss"))
     with open_dict(cfg):
@@ -297,8 +299,45 @@ def set_monitor(cfg: DictConfig, datamodule: Any) -> str:
         if monitor.startswith("train/") and checkpoint_cfg is not None and not checkpoint_cfg.every_n_train_steps:
             interval = cfg.trainer.get("val_check_interval")
             checkpoint_cfg.every_n_train_steps = interval if isinstance(interval, int) else 1000
+    val_sets = getattr(datamodule, "val_sets", None) or dict.fromkeys(val_names)
+    for setting, value in monitored_settings(cfg).items():
+        if value.startswith("val/"):
+            check_validation_monitor(value, setting, val_sets)
     log.info("monitored metric: %s (%s)", monitor, cfg.monitor_mode)
     return monitor
+
+
+def monitored_settings(cfg: DictConfig) -> dict[str, str]:
+    """{setting: metric} of `monitor` and of each callback that monitors another metric than it
+    (`callbacks.model_checkpoint.monitor=...` given on its own)."""
+    monitored = {"monitor": str(cfg.monitor)}
+    for name, callback_cfg in (cfg.get("callbacks") or {}).items():
+        raw = OmegaConf.to_container(callback_cfg, resolve=False) if callback_cfg is not None else {}
+        if raw.get("monitor") not in (None, "${monitor}"):
+            monitored[f"callbacks.{name}.monitor"] = str(callback_cfg.monitor)
+    return monitored
+
+
+def check_validation_monitor(monitor: str, setting: str, val_sets: dict[str, Any]) -> None:
+    """A ValueError unless `monitor` (the value of `setting`) is a metric the validation sets {name: dataset} log
+    (`val/<set>/<key>`, the keys of each set's metric bundle): Lightning's checkpoint callback found out at the
+    first validation, after the training before it, with a traceback."""
+    logged = {
+        name: validation_protocol(dataset, iters=1).metrics().metric_names() for name, dataset in val_sets.items()
+    }
+    if any(monitor == f"val/{name}/{key}" for name, keys in logged.items() for key in keys):
+        return
+    if not logged:
+        raise ValueError(
+            f"{setting}={monitor}: this run has no validation set, so it logs no val/ metric; monitor a train/ "
+            "metric (monitor=null: train/loss), or give the run validation sets (data.val)"
+        )
+    sets = "; ".join(f"val/{name}/{{{','.join(keys)}}}" for name, keys in logged.items())
+    first = next(iter(logged))
+    raise ValueError(
+        f"{setting}={monitor} is not a metric this run logs: its validation sets log {sets}; give one of them "
+        f"(monitor=null: val/{first}/epe)"
+    )
 
 
 def override_run_name(cfg: DictConfig) -> str:

@@ -484,6 +484,21 @@ def test_trainer_values_it_cannot_train_with_are_one_line_before_any_work(tmp_pa
     assert list((checkout / "logs").rglob("*")) == []
 
 
+def test_a_monitored_metric_no_validation_set_logs_is_one_line_before_training(tmp_path):
+    """Lightning's checkpoint callback refused it at the first validation, after the training before it (hours
+    for experiment=chairs), with a MisconfigurationException traceback."""
+    checkout = fresh_checkout(tmp_path)
+    result = run_py("debug=tiny", "monitor=val/sintel/epe", cwd=checkout, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert error_lines(result.stderr) == [
+        (
+            "error (ValueError): monitor=val/sintel/epe is not a metric this run logs: its validation sets log "
+            "val/synthetic/{epe,1px,3px,5px,f1_all}; give one of them (monitor=null: val/synthetic/epe)"
+        )
+    ]
+    assert "Training" not in result.stdout + result.stderr and list((checkout / "logs").rglob("*")) == []
+
+
 def test_a_run_refused_in_its_first_step_leaves_no_run_directory(tmp_path):
     """The network refuses a crop size that is not a multiple of 8 as the first step starts; by then the
     learning rate of step 0 is in metrics.csv, which is no result."""

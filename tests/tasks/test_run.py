@@ -13,7 +13,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from omegaconf import OmegaConf
 
 from flowformer.tasks import TASKS, run_task
-from flowformer.tasks.run_setup import build_callbacks, warn_random_twins
+from flowformer.tasks.run_setup import (
+    build_callbacks,
+    check_validation_monitor,
+    monitored_settings,
+    warn_random_twins,
+)
 
 from helpers.compose import compose_run_config
 from helpers.configs import build_backbone
@@ -262,3 +267,22 @@ def test_user_errors_are_reported_once_task_reports_module_is_imported(capsys):
         run_task(compose_run_config(["task=nonsense"]))
     assert exited.value.code == 1
     assert capsys.readouterr().err.startswith("error (ValueError): task='nonsense' is unknown")
+
+
+def test_a_monitored_metric_is_one_a_validation_set_logs_whichever_setting_names_it():
+    """`monitor`, or a callback's own monitor; the kitti set's keys are its bundle's (epe_pooled beside epe); a
+    run without validation sets (MCVA pretraining) logs no val/ metric."""
+    cfg = compose_run_config(["debug=tiny", "callbacks.model_checkpoint.monitor=val/kitti/epe_pooled"])
+    cfg.monitor = "val/synthetic/epe"
+    assert monitored_settings(cfg) == {
+        "monitor": "val/synthetic/epe",
+        "callbacks.model_checkpoint.monitor": "val/kitti/epe_pooled",
+    }
+    with pytest.raises(ValueError, match=re.escape(
+        "callbacks.model_checkpoint.monitor=val/kitti/epe_pooled is not a metric this run logs: its validation "
+        "sets log val/synthetic/{epe,1px,3px,5px,f1_all}; give one of them (monitor=null: val/synthetic/epe)"
+    )):
+        check_validation_monitor("val/kitti/epe_pooled", "callbacks.model_checkpoint.monitor", {"synthetic": None})
+    with pytest.raises(ValueError, match=re.escape("monitor=val/synthetic/epe: this run has no validation set")):
+        check_validation_monitor("val/synthetic/epe", "monitor", {})
+    check_validation_monitor("val/synthetic/f1_all", "monitor", {"synthetic": None})
